@@ -1,0 +1,121 @@
+"""Tiny, offline models and data for tests: configs with random weights, a tokenizer trained here."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
+
+POSITIVE = ["good", "great", "fine", "lovely", "superb", "nice"]
+NEGATIVE = ["bad", "awful", "poor", "dull", "terrible", "weak"]
+FILLER = ["the", "movie", "was", "plot", "a", "really", "acting", "film", "quite", "story"]
+
+
+def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """Sentences whose label is whether a positive or a negative word appears."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        label = rng.randrange(2)
+        words = rng.sample(FILLER, 4) + [rng.choice(POSITIVE if label else NEGATIVE)]
+        rng.shuffle(words)
+        out.append((" ".join(words), label))
+    return out
+
+
+def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    tok.train_from_iterator([s for s, _ in sentences(200)] + [" ".join(POSITIVE + NEGATIVE + FILLER)], trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def tiny_bert(num_labels: int = 2, vocab_size: int = 200, seed: int = 0, dropout: float = 0.0):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    return BertForSequenceClassification(config)
+
+
+def tiny_gpt2(vocab_size: int = 200, seed: int = 0, dropout: float = 0.0):
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    return GPT2LMHeadModel(config)
+
+
+class TextDataset(torch.utils.data.Dataset):
+    """Tokenised sentences as dicts (``input_ids``, ``attention_mask``, ``labels``)."""
+
+    def __init__(self, tokenizer, n: int = 96, seed: int = 0, causal: bool = False):
+        self.items = []
+        for text, label in sentences(n, seed):
+            enc = tokenizer(text, truncation=True, max_length=24)
+            labels = list(enc["input_ids"]) if causal else label
+            self.items.append(
+                {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+            )
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def collate(tokenizer):
+    """Pad ``input_ids``/``attention_mask``; token labels padded with -100."""
+
+    def fn(items):
+        width = max(len(x["input_ids"]) for x in items)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([x["input_ids"] + [pad] * (width - len(x["input_ids"])) for x in items])
+        mask = torch.tensor([x["attention_mask"] + [0] * (width - len(x["attention_mask"])) for x in items])
+        if isinstance(items[0]["labels"], list):
+            labels = torch.tensor([x["labels"] + [-100] * (width - len(x["labels"])) for x in items])
+        else:
+            labels = torch.tensor([x["labels"] for x in items])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return fn

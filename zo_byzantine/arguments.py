@@ -1,0 +1,128 @@
+"""``ZOByzantineArguments``: ``TrainingArguments`` plus the federated zeroth-order protocol."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .aggregators import AGGREGATORS
+from .attacks import ATTACKS
+from .estimators import ESTIMATORS
+from .federation import PARTITIONS
+
+LOCAL_UPDATES = ("unbiased", "biased", "compressed")
+BYZANTINE_SELECTIONS = ("first", "random")
+
+
+def _choice(name: str, value, accepted) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}.")
+
+
+@dataclass
+class ZOByzantineArguments(TrainingArguments):
+    r"""
+    Arguments of [`ZOByzantineTrainer`]: all of `TrainingArguments`, plus the protocol's.
+    One optimisation step is one federated round; `per_device_train_batch_size` is the mini-batch
+    size `B` of each client; `learning_rate` is the server step `eta`.
+
+    Parameters that control the federation:
+        num_clients (`int`, defaults to 12): `n`, the number of clients.
+        num_byzantine (`int`, defaults to 0): `b < n/2`, the number of Byzantine clients.
+        byzantine_selection (`str`, defaults to `"first"`): `"first"` (clients 0..b-1) or `"random"` (seeded).
+        clients_per_round (`int`, *optional*): clients drawn each round (seeded); all by default.
+        partition (`str`, defaults to `"iid"`): `"iid"`, `"dirichlet"` or `"shards"`.
+        dirichlet_alpha (`float`, defaults to 1.0): concentration of the Dirichlet partition.
+        min_client_examples (`int`, defaults to 1): fewest examples a client may hold.
+
+    Parameters that control the zeroth-order estimate:
+        estimator (`str`, defaults to `"two_point"`): `"two_point"` or `"one_point"`.
+        zo_eps (`float`, defaults to 1e-3): perturbation scale `mu`.
+        num_perturbations (`int`, defaults to 1): shared directions per local step, `nu`.
+        local_steps (`int`, defaults to 1): local steps per round, `K`.
+        local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
+        zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
+        zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+
+    Parameters that control aggregation and attacks:
+        aggregator (`str`, defaults to `"mean"`): robust rule, by registered name.
+        aggregator_kwargs (`dict` or `str`, *optional*): its parameters (a JSON string on the command line).
+        pre_aggregators (`list[str]`, *optional*): steps applied before the rule, in order.
+        attack (`str`, defaults to `"none"`): what the Byzantine clients send, by registered name.
+        attack_kwargs (`dict` or `str`, *optional*): its parameters.
+    """
+
+    num_clients: int = field(default=12, metadata={"help": "Number of clients n."})
+    num_byzantine: int = field(default=0, metadata={"help": "Number of Byzantine clients b (< n/2)."})
+    byzantine_selection: str = field(default="first", metadata={"help": "'first' or 'random' (seeded)."})
+    clients_per_round: int | None = field(default=None, metadata={"help": "Clients drawn per round; all if unset."})
+    partition: str = field(default="iid", metadata={"help": "Training set over clients: iid, dirichlet, shards."})
+    dirichlet_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration (> 0)."})
+    min_client_examples: int = field(default=1, metadata={"help": "Minimum examples per client."})
+    estimator: str = field(default="two_point", metadata={"help": "two_point or one_point."})
+    zo_eps: float = field(default=1e-3, metadata={"help": "Perturbation scale mu."})
+    num_perturbations: int = field(default=1, metadata={"help": "Directions per local step nu."})
+    local_steps: int = field(default=1, metadata={"help": "Local steps per round K."})
+    local_update: str = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
+    zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
+    zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
+    aggregator: str = field(default="mean", metadata={"help": "Aggregation rule, by name."})
+    aggregator_kwargs: dict | str | None = field(default=None, metadata={"help": "Rule parameters (JSON)."})
+    pre_aggregators: list[str] = field(default_factory=list, metadata={"help": "Pre-aggregation steps, in order."})
+    attack: str = field(default="none", metadata={"help": "Byzantine attack, by name."})
+    attack_kwargs: dict | str | None = field(default=None, metadata={"help": "Attack parameters (JSON)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("aggregator_kwargs", "attack_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{name} must be a JSON object, got {value!r}: {err}") from err
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dict (or a JSON object string), got {value!r}.")
+            setattr(self, name, value or {})
+        if self.zo_seed is None:
+            self.zo_seed = self.seed
+        self.validate_protocol()
+
+    def validate_protocol(self) -> None:
+        """Raise ``ValueError`` naming the field and the accepted values for any invalid setting."""
+        n, b = self.num_clients, self.num_byzantine
+        if n < 1:
+            raise ValueError(f"num_clients={n} must be >= 1.")
+        if not 0 <= b or 2 * b >= n:
+            raise ValueError(f"num_byzantine={b} must satisfy 0 <= b < num_clients/2 = {n / 2}.")
+        _choice("byzantine_selection", self.byzantine_selection, BYZANTINE_SELECTIONS)
+        if self.clients_per_round is not None and not 1 <= self.clients_per_round <= n:
+            raise ValueError(f"clients_per_round={self.clients_per_round} must be in [1, num_clients={n}].")
+        _choice("partition", self.partition, PARTITIONS)
+        if not self.dirichlet_alpha > 0:
+            raise ValueError(f"dirichlet_alpha={self.dirichlet_alpha} must be > 0.")
+        if self.min_client_examples < 1:
+            raise ValueError(f"min_client_examples={self.min_client_examples} must be >= 1.")
+        _choice("estimator", self.estimator, ESTIMATORS.names())
+        if not self.zo_eps > 0:
+            raise ValueError(f"zo_eps={self.zo_eps} must be > 0 for estimator={self.estimator!r}.")
+        if self.num_perturbations < 1:
+            raise ValueError(f"num_perturbations={self.num_perturbations} must be >= 1.")
+        _choice("local_update", self.local_update, LOCAL_UPDATES)
+        if self.local_steps != 1:
+            raise ValueError(f"local_steps={self.local_steps} is not implemented yet; accepted: 1.")
+        if self.zo_forward_batch_size < 0:
+            raise ValueError(f"zo_forward_batch_size={self.zo_forward_batch_size} must be >= 0 (0 = all at once).")
+        _choice("aggregator", self.aggregator, AGGREGATORS.names())
+        for step in self.pre_aggregators:
+            raise ValueError(
+                f"pre_aggregators={self.pre_aggregators!r}: unknown step {step!r}; none are available yet."
+            )
+        _choice("attack", self.attack, ATTACKS.names())
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "
+                "federated round; accepted: 1 (set the clients' batch with per_device_train_batch_size)."
+            )

@@ -1,0 +1,160 @@
+"""Clients: partition of the training set, Byzantine set, client sampling, per-round batches.
+
+Everything is a deterministic function of ``(zo_seed, round)``: the batch of round ``t`` does
+not depend on what ran before, so resuming from a checkpoint continues the same trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+PARTITIONS = ("iid", "dirichlet", "shards")
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(k) for k in key]))
+
+
+def iid_partition(num_examples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle, then split into ``num_clients`` parts of (almost) equal size."""
+    return [np.sort(part) for part in np.array_split(rng.permutation(num_examples), num_clients)]
+
+
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator):
+    """Per class ``c``: proportions ``p_c ~ Dir(alpha * 1_n)`` over clients; split class ``c`` by ``p_c``."""
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        cuts = (np.cumsum(rng.dirichlet(np.full(num_clients, alpha))) * len(members)).astype(int)[:-1]
+        for client, chunk in enumerate(np.split(members, cuts)):
+            parts[client].extend(chunk.tolist())
+    return [np.sort(np.asarray(part, dtype=np.int64)) for part in parts]
+
+
+def shards_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, shards_per_client: int = 2):
+    """Sort by label, cut into ``shards_per_client * n`` shards, deal them out at random."""
+    order = np.argsort(labels, kind="stable")
+    shards = np.array_split(order, shards_per_client * num_clients)
+    dealt = rng.permutation(len(shards)).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([shards[s] for s in row])) for row in dealt]
+
+
+def partition_dataset(
+    kind: str,
+    num_examples: int,
+    num_clients: int,
+    seed: int,
+    labels: Sequence[int] | None = None,
+    alpha: float = 1.0,
+    min_examples: int = 1,
+    max_draws: int = 100,
+) -> list[np.ndarray]:
+    """Indices of each client's examples. Re-draws (seeded) until every client has ``min_examples``."""
+    if kind not in PARTITIONS:
+        raise ValueError(f"partition={kind!r} is not supported; accepted: {', '.join(PARTITIONS)}.")
+    if num_examples < num_clients * min_examples:
+        raise ValueError(
+            f"The training set has {num_examples} examples: too few for num_clients={num_clients} "
+            f"with min_client_examples={min_examples}."
+        )
+    if kind != "iid" and labels is None:
+        raise ValueError(f"partition={kind!r} needs labels: give the training set a 'label' or 'labels' column.")
+    labels = None if labels is None else np.asarray(labels)
+    for draw in range(max_draws):
+        rng = _rng(seed, 0x9A47, draw)
+        if kind == "iid":
+            parts = iid_partition(num_examples, num_clients, rng)
+        elif kind == "dirichlet":
+            parts = dirichlet_partition(labels, num_clients, alpha, rng)
+        else:
+            parts = shards_partition(labels, num_clients, rng)
+        if min(len(p) for p in parts) >= min_examples:
+            return parts
+    raise ValueError(
+        f"partition={kind!r} (dirichlet_alpha={alpha}) left a client with fewer than min_client_examples="
+        f"{min_examples} examples in {max_draws} seeded draws; raise dirichlet_alpha or lower min_client_examples."
+    )
+
+
+class Federation:
+    """Clients of a run: their data, who is Byzantine, who takes part in round ``t``.
+
+    Client ``c``'s data is an endless stream: pass ``p`` over its partition is shuffled by
+    ``(seed, c, p)``; round ``t`` takes stream positions ``[t B, (t + 1) B)``.
+    """
+
+    def __init__(
+        self,
+        partitions: list[np.ndarray],
+        batch_size: int,
+        num_byzantine: int,
+        seed: int,
+        clients_per_round: int | None = None,
+        byzantine_selection: str = "first",
+    ):
+        self.partitions = partitions
+        self.num_clients = len(partitions)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.clients_per_round = clients_per_round or self.num_clients
+        if byzantine_selection == "first":
+            byzantine = np.arange(num_byzantine)
+        else:
+            byzantine = _rng(seed, 0xB42).choice(self.num_clients, num_byzantine, replace=False)
+        self.is_byzantine = np.zeros(self.num_clients, dtype=bool)
+        self.is_byzantine[byzantine] = True
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def participants(self, round_index: int) -> np.ndarray:
+        """Sorted ids of the clients of round ``t``: all, or ``clients_per_round`` drawn by ``(seed, t)``."""
+        if self.clients_per_round == self.num_clients:
+            return np.arange(self.num_clients)
+        chosen = _rng(self.seed, 0xC11E, round_index).choice(self.num_clients, self.clients_per_round, replace=False)
+        return np.sort(chosen)
+
+    def _stream(self, client: int, positions: np.ndarray) -> np.ndarray:
+        part = self.partitions[client]
+        out = np.empty(len(positions), dtype=np.int64)
+        for i, pos in enumerate(positions):
+            key = (client, int(pos) // len(part))
+            if key not in self._perms:
+                if len(self._perms) > 4 * self.num_clients:
+                    self._perms.clear()
+                self._perms[key] = part[_rng(self.seed, 0xDA7A, client, key[1]).permutation(len(part))]
+            out[i] = self._perms[key][pos % len(part)]
+        return out
+
+    def round_indices(self, round_index: int) -> list[int]:
+        """Dataset indices of round ``t``: ``batch_size`` per participant, participants in order."""
+        positions = np.arange(round_index * self.batch_size, (round_index + 1) * self.batch_size)
+        return [int(i) for c in self.participants(round_index) for i in self._stream(int(c), positions)]
+
+    @property
+    def total_examples(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+
+class FederatedBatchSampler(torch.utils.data.Sampler):
+    """Yields round ``t = epoch * len(self) + i`` as one batch of every participant's examples.
+
+    An epoch is ``ceil(N / (clients_per_round * B))`` rounds: about one pass over the data.
+    """
+
+    def __init__(self, federation: Federation):
+        self.federation = federation
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        fed = self.federation
+        return max(1, math.ceil(fed.total_examples / (fed.clients_per_round * fed.batch_size)))
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self.federation.round_indices(self.epoch * len(self) + i)

@@ -1,0 +1,57 @@
+"""Per-example losses from one batched forward, so that each client's loss can be read off.
+
+For example ``e``: ``(sum_e, count_e)`` with ``sum_e`` the summed loss over its targets and
+``count_e`` their number; client ``i``'s loss is ``sum_{e in i} sum_e / sum_{e in i} count_e``,
+exactly the mean the model computes on that client's batch alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """True for models whose token labels are shifted by one (``*ForCausalLM``, ``*LMHeadModel``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def per_example_loss(model: nn.Module, outputs, labels: torch.Tensor | None):
+    """``(sums, counts)`` per example, from ``outputs.loss`` of shape ``[N]`` or from logits and labels."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if loss is not None and loss.dim() == 1:
+        return loss.double(), torch.ones_like(loss, dtype=torch.float64)
+    if logits is None or labels is None:
+        raise ValueError(
+            "A zeroth-order round needs per-example losses: the model must return `logits` (with `labels` in the "
+            "inputs) or a `loss` of shape [batch]."
+        )
+    logits = logits.float()
+    if logits.dim() == 2 and labels.dim() == 1:
+        if logits.shape[-1] == 1 and labels.is_floating_point():  # regression
+            sums = (logits.squeeze(-1) - labels.float()).pow(2)
+            return sums.double(), torch.ones_like(sums, dtype=torch.float64)
+        sums = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+        return sums.double(), (labels != IGNORE_INDEX).double()
+    if logits.dim() == 3 and labels.dim() == 2:
+        if is_causal_lm(model):
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+        mask = labels != IGNORE_INDEX
+        return (token * mask).sum(dim=1).double(), mask.sum(dim=1).double()
+    raise ValueError(
+        f"Cannot read per-example losses from logits {tuple(logits.shape)} and labels {tuple(labels.shape)}."
+    )
+
+
+def client_losses(sums: torch.Tensor, counts: torch.Tensor, client_of_example: torch.Tensor, num_clients: int):
+    """Each client's mean loss: ``sum of its sums / sum of its counts`` (float64)."""
+    total = torch.zeros(num_clients, dtype=torch.float64, device=sums.device).index_add_(0, client_of_example, sums)
+    count = torch.zeros(num_clients, dtype=torch.float64, device=sums.device).index_add_(0, client_of_example, counts)
+    return total / count

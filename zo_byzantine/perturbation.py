@@ -1,0 +1,176 @@
+"""Shared-seed Gaussian directions and perturbed forward passes (SPEC 1.2, 1.3).
+
+Direction ``r`` of local step ``l`` in round ``t`` is ``z = (z_0, z_1, ...)``, one Gaussian
+tensor per trainable parameter, regenerated on demand from the seed tuple ``(s, t, l, r)``:
+
+    direction_seed = SeedSequence([s, t, l, r])
+    z_j ~ N(0, I) drawn by a dedicated ``torch.Generator`` seeded with mix(direction_seed, j)
+
+Each tensor has its own generator, so ``z_j`` does not depend on the order in which tensors
+are visited, and no direction is ever held whole. Generators are created on the parameter's
+device: CPU and CUDA give different streams for the same seed, so every party of a run must
+generate on the same device type.
+
+A perturbed forward evaluates ``F(w + sum_k c_k z_k)`` without modifying the stored weights:
+a pre-forward hook on each module that owns trainable parameters swaps in ``p + sum_k c_k z_k``
+for the duration of that module's call and puts the parameter back afterwards. Restore is
+therefore exact in every dtype (no ``+mu, -2mu, +mu`` rounding drift, MeZO issue #42), and
+the only extra memory is one module's perturbed parameters at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+_MASK64 = (1 << 64) - 1
+
+
+def direction_seed(zo_seed: int, round_index: int, local_step: int, direction: int) -> int:
+    """Map the seed tuple ``(s, t, l, r)`` to a 63-bit generator seed (SPEC 1.2)."""
+    state = np.random.SeedSequence([zo_seed, round_index, local_step, direction]).generate_state(2, np.uint32)
+    return ((int(state[0]) << 32) | int(state[1])) & (_MASK64 >> 1)
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """SplitMix64 of ``seed + (index + 1) * golden``: the seed of tensor ``index`` of a direction."""
+    x = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & (_MASK64 >> 1)
+
+
+class GeneratorCounter:
+    """Counts Gaussian numbers drawn, to report generator passes (``drawn / d``) per round."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def add(self, n: int) -> None:
+        self.drawn += n
+
+
+COUNTER = GeneratorCounter()
+
+
+def gaussian_like(param: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+    """Draw ``z_index ~ N(0, I)`` with the shape, dtype and device of ``param``."""
+    generator = torch.Generator(device=param.device)
+    generator.manual_seed(tensor_seed(seed, index))
+    COUNTER.add(param.numel())
+    return torch.randn(param.shape, generator=generator, dtype=param.dtype, device=param.device)
+
+
+Terms = Sequence[tuple[int, float]]  # (direction seed, coefficient) pairs: sum_k c_k z_k
+
+
+def combination(param: torch.Tensor, index: int, terms: Terms) -> torch.Tensor:
+    """``sum_k c_k z_k[index]`` for the (direction seed, coefficient) pairs in ``terms``."""
+    total = None
+    for seed, coeff in terms:
+        z = gaussian_like(param, seed, index)
+        if total is None:
+            total = z.mul_(coeff)
+        else:
+            total.add_(z, alpha=coeff)
+    return total
+
+
+class ParameterTable:
+    """The trainable parameters of a model in a fixed order, with their owning modules.
+
+    Index ``j`` of a parameter is its position in ``model.named_parameters()`` (trainable only,
+    tied parameters once); it names the tensor ``z_j`` of every direction.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        index_of: dict[int, int] = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad and id(param) not in index_of:
+                index_of[id(param)] = len(self.params)
+                self.names.append(name)
+                self.params.append(param)
+        if not self.params:
+            raise ValueError("The model has no trainable parameters (requires_grad=True): nothing to optimise.")
+        self.index_of = index_of
+        # module -> [(attribute name, parameter index)], tied parameters listed under every owner
+        self.owners: list[tuple[nn.Module, list[tuple[str, int]]]] = []
+        for module in model.modules():
+            owned = [(name, index_of[id(p)]) for name, p in module.named_parameters(recurse=False) if id(p) in index_of]
+            if owned:
+                self.owners.append((module, owned))
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __iter__(self) -> Iterator[tuple[int, nn.Parameter]]:
+        return iter(enumerate(self.params))
+
+
+@contextlib.contextmanager
+def perturbed(table: ParameterTable, terms: Terms):
+    """Within the block, forwards of the table's model compute ``F(w + sum_k c_k z_k)``.
+
+    Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
+    while it runs. With no terms, the block is a plain forward.
+    """
+    if not terms:
+        yield
+        return
+    handles = []
+    saved: dict[int, list[tuple[str, torch.Tensor]]] = {}
+
+    def swap_in(module, _args):
+        originals = []
+        for name, index in owned_by[id(module)]:
+            param = module._parameters[name]
+            originals.append((name, param))
+            module._parameters[name] = param.detach() + combination(param, index, terms)
+        saved[id(module)] = originals
+
+    def swap_out(module, _args, _output):
+        for name, param in saved.pop(id(module), ()):
+            module._parameters[name] = param
+
+    owned_by = {id(module): owned for module, owned in table.owners}
+    try:
+        for module, _ in table.owners:
+            handles.append(module.register_forward_pre_hook(swap_in))
+            handles.append(module.register_forward_hook(swap_out, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, _ in table.owners:  # a forward that raised inside a module
+            for name, param in saved.pop(id(module), ()):
+                module._parameters[name] = param
+
+
+@torch.no_grad()
+def apply_update(
+    table: ParameterTable,
+    terms: Terms,
+    lr: float,
+    weight_decay: dict[int, float] | None = None,
+) -> None:
+    """In place: ``w_j <- w_j - lr * (sum_k c_k z_k[j] + wd_j * w_j)`` for every parameter ``j``.
+
+    This is the only write to the weights; training and ledger replay both call it, so a
+    replay reproduces the trained weights bitwise.
+    """
+    for index, param in table:
+        decay = (weight_decay or {}).get(index, 0.0)
+        if decay:
+            param.mul_(1.0 - lr * decay)
+        if terms:
+            param.add_(combination(param, index, terms), alpha=-lr)

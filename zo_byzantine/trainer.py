@@ -1,0 +1,283 @@
+"""``ZOByzantineTrainer``: a drop-in ``Trainer`` whose optimisation step is one federated round.
+
+Hugging Face glue only; the method lives in ``perturbation``, ``estimators``, ``federation``,
+``attacks``, ``aggregators``, ``optim`` and ``ledger``. One round (SPEC 1.4), K = 1:
+
+    batch -> per-client losses at w +- mu z_r (all clients in one batched forward per sign)
+          -> v_i in R^nu -> Byzantine clients replace theirs -> R_t = rule({v_i})
+          -> optimizer.step(): w <- w - lr * sum_r R_t[r] z_r
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer
+
+from .aggregators import build_aggregator
+from .arguments import ZOByzantineArguments
+from .attacks import build_attack
+from .estimators import ESTIMATORS
+from .federation import FederatedBatchSampler, Federation, partition_dataset
+from .ledger import LEDGER_NAME, Ledger
+from .losses import client_losses, per_example_loss
+from .optim import ZOOptimizer
+from .perturbation import COUNTER, ParameterTable, direction_seed, perturbed
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_SCALAR = 4  # scalars travel as float32
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Non-finite entries become the most extreme value (nan, +inf -> +max; -inf -> -max), counted (SPEC 1.6)."""
+    bad = ~torch.isfinite(vectors)
+    if not bad.any():
+        return vectors, 0
+    cleaned = torch.nan_to_num(vectors, nan=FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
+    return cleaned, int(bad.sum())
+
+
+def _dataset_labels(dataset) -> np.ndarray | None:
+    for column in ("labels", "label"):
+        names = getattr(dataset, "column_names", None)
+        if names is not None and column in names:
+            return np.asarray(dataset[column])
+    try:
+        first = dataset[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    for column in ("labels", "label"):
+        if isinstance(first, dict) and column in first:
+            return np.asarray([int(dataset[i][column]) for i in range(len(dataset))])
+    return None
+
+
+class ZOByzantineTrainer(Trainer):
+    """``Trainer`` running FedByZO rounds. Same constructor, plus optional rule/attack objects.
+
+    Args:
+        aggregator: a rule object ``rule(Tensor[n, nu]) -> Tensor[nu]`` used instead of ``args.aggregator``.
+        attack: an attack object used instead of ``args.attack``.
+    """
+
+    def __init__(self, *args, aggregator=None, attack=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        zo = self.args
+        if not isinstance(zo, ZOByzantineArguments):
+            raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(zo).__name__}.")
+        if zo.world_size > 1 or zo.n_gpu > 1:
+            raise ValueError("ZOByzantineTrainer runs in one process on one device for now (world_size=1, n_gpu<=1).")
+        n, b = zo.num_clients, zo.num_byzantine
+        self.aggregator = build_aggregator(aggregator or zo.aggregator, n, b, **zo.aggregator_kwargs)
+        self.attack = build_attack(attack or zo.attack, n, b, **zo.attack_kwargs)
+        self.estimator = ESTIMATORS.get(zo.estimator)(zo.zo_eps)
+        self.federation: Federation | None = None
+        self.table: ParameterTable | None = None
+        self.zo_optimizer: ZOOptimizer | None = None
+        self.ledger: Ledger | None = None
+        self._window = {"rounds": 0, "skipped_rounds": 0, "nonfinite_values": 0}
+        self._drawn_at_log = COUNTER.drawn
+
+    # ----- set-up: optimizer, clients' data -------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """A :class:`ZOOptimizer` over the trainable parameters (decay groups as ``Trainer``)."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            self.table = ParameterTable(opt_model)
+            decay = set(self.get_decay_parameter_names(opt_model))
+            names = self.table.names
+            groups = [
+                {
+                    "params": [p for n, p in zip(names, self.table.params, strict=True) if n in decay],
+                    "weight_decay": self.args.weight_decay,
+                },
+                {
+                    "params": [p for n, p in zip(names, self.table.params, strict=True) if n not in decay],
+                    "weight_decay": 0.0,
+                },
+            ]
+            self.optimizer = ZOOptimizer(self.table, [g for g in groups if g["params"]], lr=self.args.learning_rate)
+        if not isinstance(self.optimizer, ZOOptimizer):
+            raise TypeError(
+                f"ZOByzantineTrainer applies its updates with ZOOptimizer, got {type(self.optimizer).__name__}."
+            )
+        self.zo_optimizer, self.table = self.optimizer, self.optimizer.table
+        if self.ledger is None:
+            self.ledger = Ledger(self.table, self.zo_optimizer.weight_decay())
+        return self.optimizer
+
+    def build_federation(self, dataset) -> Federation:
+        """Partition ``dataset`` over the clients (seeded by ``zo_seed``)."""
+        zo = self.args
+        labels = None if zo.partition == "iid" else _dataset_labels(dataset)
+        parts = partition_dataset(
+            zo.partition, len(dataset), zo.num_clients, zo.zo_seed, labels, zo.dirichlet_alpha, zo.min_client_examples
+        )
+        return Federation(
+            parts,
+            zo.per_device_train_batch_size,
+            zo.num_byzantine,
+            zo.zo_seed,
+            zo.clients_per_round,
+            zo.byzantine_selection,
+        )
+
+    def get_train_dataloader(self) -> DataLoader:
+        """One batch per round: ``per_device_train_batch_size`` examples of every participating client."""
+        if self.train_dataset is None:
+            raise ValueError("ZOByzantineTrainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        self.federation = self.build_federation(dataset)
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        loader = DataLoader(
+            dataset,
+            batch_sampler=FederatedBatchSampler(self.federation),
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+        )
+        return self.accelerator.prepare(loader)
+
+    # ----- one round --------------------------------------------------------------------------
+
+    def _chunks(self, inputs: dict, size: int):
+        total = next(v.shape[0] for v in inputs.values() if torch.is_tensor(v))
+        size = size or total
+        for start in range(0, total, size):
+            yield {
+                k: v[start : start + size] if torch.is_tensor(v) and v.shape[:1] == (total,) else v
+                for k, v in inputs.items()
+            }
+
+    def client_losses(self, model, inputs, client_of_example, num_clients, terms) -> torch.Tensor:
+        """Loss of each client at ``w + sum_k c_k z_k``: batched forwards over all clients' examples."""
+        sums, counts = [], []
+        with perturbed(self.table, terms), self.compute_loss_context_manager():
+            for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
+                s, c = per_example_loss(model, model(**chunk), chunk.get("labels"))
+                sums.append(s)
+                counts.append(c)
+        return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """One federated round (SPEC 1.4); the update is staged for ``optimizer.step()``."""
+        zo, t = self.args, self.state.global_step
+        inputs = self._prepare_inputs(inputs)
+        participants = self.federation.participants(t)
+        batch = next(v.shape[0] for v in inputs.values() if torch.is_tensor(v))
+        if batch != len(participants) * zo.per_device_train_batch_size:
+            raise RuntimeError(
+                f"Round {t}: batch of {batch} rows, expected {len(participants)} clients "
+                f"x {zo.per_device_train_batch_size} examples."
+            )
+        client_of_example = torch.arange(len(participants), device=zo.device).repeat_interleave(
+            zo.per_device_train_batch_size
+        )
+        seed_tuples = [(zo.zo_seed, t, 1, r) for r in range(zo.num_perturbations)]
+        seeds = [direction_seed(*s) for s in seed_tuples]
+
+        model.eval()  # zeroth-order forwards run without dropout, as MeZO's
+        with torch.no_grad():
+            estimate = self.estimator(
+                lambda terms: self.client_losses(model, inputs, client_of_example, len(participants), terms), seeds
+            )
+        byzantine = torch.as_tensor(self.federation.is_byzantine[participants], device=estimate.vectors.device)
+        vectors, honest_losses = estimate.vectors, estimate.losses[~byzantine]
+        honest_loss = honest_losses.mean()
+
+        skipped = None
+        if not torch.isfinite(honest_losses).all() or not torch.isfinite(vectors[~byzantine]).all():
+            skipped = "non-finite honest loss"
+        else:
+            if byzantine.any():
+                vectors = vectors.clone()
+                vectors[byzantine] = self.attack(vectors[~byzantine], vectors[byzantine], self.aggregator).to(vectors)
+            vectors, nonfinite = sanitize(vectors)
+            self._window["nonfinite_values"] += nonfinite
+            aggregate = self.aggregator(vectors)
+            if not torch.isfinite(aggregate).all():
+                skipped = "non-finite aggregate"
+        lr = self.zo_optimizer.learning_rate()
+        if skipped:
+            logger.warning("Round %d skipped (%s); the model is left unchanged.", t, skipped)
+            self._window["skipped_rounds"] += 1
+            self.ledger.record(t, seed_tuples, [], lr, skipped=skipped)
+        else:
+            coefficients = aggregate.tolist()
+            self.zo_optimizer.stage(list(zip(seeds, coefficients, strict=True)))
+            self.ledger.record(t, seed_tuples, coefficients, lr)
+        self._window["rounds"] += 1
+        return honest_loss.detach().to(device=zo.device, dtype=torch.float32)
+
+    # ----- logs, communication, checkpoints ---------------------------------------------------
+
+    def communication(self) -> dict[str, float]:
+        """Scalars and bytes per client per round (up: nu, down: nu), beside dense FedAvg (d each way)."""
+        zo, d = self.args, self.table.numel
+        scalars = zo.local_steps * zo.num_perturbations
+        clients = self.federation.clients_per_round
+        rounds = self.state.global_step
+        return {
+            "uplink_scalars_per_client": scalars,
+            "uplink_bytes_per_client": scalars * BYTES_PER_SCALAR,
+            "downlink_scalars_per_client": scalars,
+            "downlink_bytes_per_client": scalars * BYTES_PER_SCALAR,
+            "fedavg_bytes_per_client": d * BYTES_PER_SCALAR,
+            "uplink_bytes_total": rounds * clients * scalars * BYTES_PER_SCALAR,
+            "downlink_bytes_total": rounds * clients * scalars * BYTES_PER_SCALAR,
+            "fedavg_uplink_bytes_total": rounds * clients * d * BYTES_PER_SCALAR,
+        }
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training logs: honest loss, communication, skipped rounds, non-finite values; no ``grad_norm``."""
+        logs.pop("grad_norm", None)
+        window = self._window
+        if "loss" in logs and window["rounds"] and self.table is not None:
+            logs.update(self.communication())
+            logs["skipped_rounds"] = window["skipped_rounds"]
+            logs["nonfinite_values"] = window["nonfinite_values"]
+            # Gaussian numbers drawn since the last log (perturbed forwards and updates), in units of d
+            logs["generator_passes_per_round"] = (COUNTER.drawn - self._drawn_at_log) / (
+                window["rounds"] * self.table.numel
+            )
+            self._window = dict.fromkeys(window, 0)
+            self._drawn_at_log = COUNTER.drawn
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the model as ``Trainer`` does, and the ledger beside it."""
+        super().save_model(output_dir, _internal_call)
+        if self.ledger is not None and self.args.should_save:
+            self.ledger.save(output_dir or self.args.output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.ledger is not None:
+            if os.path.isfile(os.path.join(checkpoint, LEDGER_NAME)):
+                self.ledger.rounds = Ledger.read(checkpoint)["rounds"]
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self.ledger is not None and self.args.should_save:
+            self.ledger.save(self.args.output_dir)
+        return output
+
+
+__all__ = ["ZOByzantineTrainer", "sanitize"]
