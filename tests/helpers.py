@@ -119,3 +119,58 @@ def collate(tokenizer):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return fn
+
+
+class LogisticRegression(torch.nn.Module):
+    """A plain module (not a PreTrainedModel): logits and mean loss, like a user's own model."""
+
+    def __init__(self, dim: int = 8, classes: int = 2):
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, classes)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+class VectorDataset(torch.utils.data.Dataset):
+    """Linearly separable points: label = [w* . x > 0]."""
+
+    def __init__(self, n: int = 256, dim: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x @ torch.linspace(-1, 1, dim) > 0).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def make_trainer(model, dataset, output_dir, collator=None, trainer_kwargs=None, **kwargs):
+    """A ZOByzantineTrainer with quiet defaults for tests; ``kwargs`` go to ZOByzantineArguments."""
+    from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
+
+    defaults = dict(
+        num_clients=4, per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2, report_to=[],
+        save_strategy="no", logging_steps=1, disable_tqdm=True, remove_unused_columns=False,
+    )
+    defaults.update(kwargs)
+    args = ZOByzantineArguments(output_dir=str(output_dir), **defaults)
+    return ZOByzantineTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, **(trainer_kwargs or {})
+    )
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"

@@ -1,0 +1,63 @@
+"""Every invalid configuration fails at construction, naming the field and what it accepts."""
+
+import pytest
+from helpers import LogisticRegression, VectorDataset, make_trainer
+
+from zo_byzantine import ZOByzantineArguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_clients": 4, "num_byzantine": 2}, "num_byzantine=2"),
+        ({"num_clients": 4, "num_byzantine": -1}, "num_byzantine=-1"),
+        ({"num_perturbations": 0}, "num_perturbations=0"),
+        ({"zo_eps": 0.0}, "zo_eps=0.0"),
+        ({"zo_eps": -1e-3}, "zo_eps=-0.001"),
+        ({"num_clients": 4, "clients_per_round": 5}, r"clients_per_round=5 must be in \[1"),
+        ({"clients_per_round": 0}, "clients_per_round=0"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+        ({"aggregator": "nope"}, "aggregator='nope'.*accepted: mean"),
+        ({"attack": "nope"}, "attack='nope'.*accepted: none"),
+        ({"estimator": "nope"}, "estimator='nope'.*accepted: one_point, two_point"),
+        ({"partition": "nope"}, "partition='nope'.*accepted: iid, dirichlet, shards"),
+        ({"local_update": "nope"}, "local_update='nope'"),
+        ({"byzantine_selection": "nope"}, "byzantine_selection='nope'"),
+        ({"pre_aggregators": ["nope"]}, "unknown step 'nope'"),
+        ({"dirichlet_alpha": 0.0}, "dirichlet_alpha=0.0"),
+        ({"min_client_examples": 0}, "min_client_examples=0"),
+        ({"local_steps": 2}, "local_steps=2"),
+        ({"aggregator_kwargs": "{not json"}, "aggregator_kwargs must be a JSON object"),
+    ],
+)
+def test_invalid_configuration_raises(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
+
+
+def test_json_kwargs_are_parsed(tmp_path):
+    args = ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], attack_kwargs='{"omega": 2}')
+    assert args.attack_kwargs == {"omega": 2}
+    assert args.zo_seed == args.seed
+
+
+def test_partition_problems_fail_before_training(tmp_path):
+    trainer = make_trainer(LogisticRegression(), VectorDataset(16), tmp_path, num_clients=4, min_client_examples=5)
+    with pytest.raises(ValueError, match="too few for num_clients=4"):
+        trainer.train()
+    trainer = make_trainer(
+        LogisticRegression(), VectorDataset(64), tmp_path, num_clients=8, partition="dirichlet",
+        dirichlet_alpha=0.01, min_client_examples=6,
+    )
+    with pytest.raises(ValueError, match="min_client_examples=6"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_trainer_needs_zo_arguments(tmp_path):
+    from transformers import TrainingArguments
+
+    from zo_byzantine import ZOByzantineTrainer
+
+    with pytest.raises(TypeError, match="ZOByzantineArguments"):
+        ZOByzantineTrainer(model=LogisticRegression(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))

@@ -1,0 +1,86 @@
+"""Resume continues the same trajectory; the ledger replays the run bitwise and rejects bad files."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from helpers import LogisticRegression, VectorDataset, assert_same_weights, make_trainer, state
+
+from zo_byzantine import Ledger, LedgerError, replay
+from zo_byzantine.ledger import LEDGER_NAME
+
+SETTINGS = dict(num_clients=4, max_steps=8, learning_rate=0.1, num_perturbations=2, partition="dirichlet",
+                lr_scheduler_type="linear", weight_decay=0.01)
+
+
+def _model():
+    torch.manual_seed(0)
+    return LogisticRegression()
+
+
+def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
+    straight = _model()
+    make_trainer(straight, VectorDataset(128), tmp_path / "a", **SETTINGS).train()
+
+    resumed = _model()
+    make_trainer(resumed, VectorDataset(128), tmp_path / "b", **{**SETTINGS, "save_strategy": "steps", "save_steps": 4}).train()
+    checkpoint = tmp_path / "b" / "checkpoint-4"
+    assert (checkpoint / LEDGER_NAME).is_file()
+
+    fresh = _model()  # a new process: weights come from the checkpoint
+    trainer = make_trainer(fresh, VectorDataset(128), tmp_path / "c", **SETTINGS)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert_same_weights(state(fresh), state(straight))
+    assert [r["round"] for r in trainer.ledger.rounds] == list(range(8))
+
+
+def test_ledger_replay_reproduces_final_weights_bitwise(tmp_path):
+    model = _model()
+    start = copy.deepcopy(model)
+    trainer = make_trainer(model, VectorDataset(128), tmp_path, **SETTINGS)
+    trainer.train()
+    path = tmp_path / LEDGER_NAME
+    assert path.is_file() and os.path.getsize(path) < 10_000
+    replay(start, str(path))
+    assert_same_weights(state(start), state(model))
+    untouched = _model()
+    assert not torch.equal(untouched.linear.weight, model.linear.weight)
+
+
+def test_ledger_rejects_corrupt_truncated_and_mismatched_files(tmp_path):
+    model = _model()
+    make_trainer(model, VectorDataset(64), tmp_path, max_steps=3).train()
+    text = (tmp_path / LEDGER_NAME).read_text()
+
+    (tmp_path / "truncated.json").write_text(text[: len(text) // 2])
+    with pytest.raises(LedgerError, match="corrupt or truncated"):
+        Ledger.read(str(tmp_path / "truncated.json"))
+
+    data = json.loads(text)
+    data["rounds"][0]["coefficients"][0] += 1.0
+    (tmp_path / "tampered.json").write_text(json.dumps(data))
+    with pytest.raises(LedgerError, match="digest"):
+        Ledger.read(str(tmp_path / "tampered.json"))
+
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(LedgerError, match="not a"):
+        Ledger.read(str(tmp_path / "other.json"))
+
+    with pytest.raises(LedgerError, match="differ"):
+        replay(LogisticRegression(dim=5), str(tmp_path / LEDGER_NAME))
+
+
+def test_evaluate_predict_and_save_model_work(tmp_path):
+    model = _model()
+    dataset = VectorDataset(64)
+    trainer = make_trainer(model, dataset, tmp_path, max_steps=2)
+    trainer.eval_dataset = dataset
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    predictions = trainer.predict(dataset)
+    assert predictions.predictions.shape == (64, 2)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / LEDGER_NAME).is_file()

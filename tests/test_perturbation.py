@@ -1,0 +1,128 @@
+"""Seeds, directions, perturbed forwards and the update, against obvious references."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_bert
+
+from zo_byzantine.perturbation import (
+    COUNTER,
+    ParameterTable,
+    apply_update,
+    direction_seed,
+    gaussian_like,
+    perturbed,
+)
+
+
+def _direction(table, seed):
+    return [gaussian_like(p, seed, j) for j, p in table]
+
+
+def test_same_seed_tuple_same_direction_and_different_tuples_differ():
+    table = ParameterTable(tiny_bert())
+    a = _direction(table, direction_seed(7, 3, 1, 0))
+    b = _direction(table, direction_seed(7, 3, 1, 0))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for other in [(8, 3, 1, 0), (7, 4, 1, 0), (7, 3, 2, 0), (7, 3, 1, 1)]:
+        c = _direction(table, direction_seed(*other))
+        assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True)), other
+
+
+def test_global_rng_untouched():
+    table = ParameterTable(tiny_bert())
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    _direction(table, direction_seed(1, 2, 3, 4))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_perturbed_forward_sees_w_plus_cz_and_restores_exactly(dtype):
+    model = tiny_bert().to(dtype).eval()
+    table = ParameterTable(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seeds = [direction_seed(0, 0, 1, 0), direction_seed(0, 0, 1, 1)]
+    terms = [(seeds[0], 1e-3), (seeds[1], -2e-3)]
+    ids = torch.tensor([[2, 10, 11, 12, 3], [2, 13, 14, 3, 0]])
+
+    reference = copy.deepcopy(model)  # obvious implementation: write w + sum c z into a copy
+    with torch.no_grad():
+        for j, p in ParameterTable(reference):
+            p.add_(gaussian_like(p, seeds[0], j) * 1e-3 + gaussian_like(p, seeds[1], j) * -2e-3)
+        expected = reference(input_ids=ids).logits
+
+    with torch.no_grad(), perturbed(table, terms):
+        got = model(input_ids=ids).logits
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    assert not torch.equal(got, model(input_ids=ids).logits)  # the perturbation did something
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # bitwise: stored weights never written
+
+
+def test_perturbed_restores_after_exception():
+    model = tiny_bert().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(IndexError), perturbed(ParameterTable(model), [(1, 1.0)]):
+        model(input_ids=torch.tensor([[10_000]]))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+
+
+def test_apply_update_matches_formula_with_weight_decay():
+    model = tiny_bert()
+    table = ParameterTable(model)
+    w0 = [p.detach().clone() for p in table.params]
+    seeds = [direction_seed(5, 1, 1, r) for r in range(3)]
+    coeffs = [0.5, -1.25, 2.0]
+    lr, wd = 0.1, 0.01
+    apply_update(table, list(zip(seeds, coeffs, strict=True)), lr, {0: wd})
+    for j, p in table:
+        step = sum(c * gaussian_like(p, s, j).double() for s, c in zip(seeds, coeffs, strict=True))
+        decay = wd * w0[j].double() if j == 0 else 0.0
+        expected = w0[j].double() - lr * (step + decay)
+        torch.testing.assert_close(p.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_generator_count_is_per_element():
+    model = tiny_bert()
+    table = ParameterTable(model)
+    start = COUNTER.drawn
+    apply_update(table, [(1, 1.0), (2, 1.0)], 0.0)
+    assert COUNTER.drawn - start == 2 * table.numel
+
+
+class Cubic(torch.nn.Module):
+    """F(w) = sum(w^3)/3 + sum(w^2): gradient w^2 + 2w."""
+
+    def __init__(self, d=50):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1, 1, d, dtype=torch.float64))
+
+    def forward(self):
+        return (self.w**3).sum() / 3 + (self.w**2).sum()
+
+
+def test_two_point_estimate_is_directional_derivative_up_to_mu_squared():
+    from zo_byzantine.estimators import TwoPoint
+
+    model = Cubic()
+    table = ParameterTable(model)
+    seed = direction_seed(0, 0, 1, 0)
+    z = gaussian_like(model.w, seed, 0)
+    exact = torch.dot(model.w.detach() ** 2 + 2 * model.w.detach(), z).item()
+
+    def loss_at(terms):
+        with torch.no_grad(), perturbed(table, terms):
+            return model().reshape(1)
+
+    errors = []
+    for mu in (1e-1, 1e-2):
+        estimate = TwoPoint(mu)(loss_at, [seed]).vectors[0, 0].item()
+        errors.append(abs(estimate - exact))
+        # central difference of a cubic: error = mu^2 * sum(z^3) / 3 exactly
+        assert errors[-1] == pytest.approx(abs(mu**2 * (z**3).sum().item() / 3), rel=1e-4)
+    assert errors[1] < errors[0] / 50  # O(mu^2)
