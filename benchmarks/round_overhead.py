@@ -36,8 +36,15 @@ class RandomTokens(torch.utils.data.Dataset):
 def build(model, n, examples, seq_len, tmp):
     dataset = RandomTokens(4 * examples, seq_len, model.config.vocab_size)
     args = ZOByzantineArguments(
-        output_dir=tmp, num_clients=n, per_device_train_batch_size=examples // n, max_steps=1, report_to=[],
-        save_strategy="no", disable_tqdm=True, learning_rate=1e-7, remove_unused_columns=False,
+        output_dir=tmp,
+        num_clients=n,
+        per_device_train_batch_size=examples // n,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-7,
+        remove_unused_columns=False,
     )
     trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=dataset)
     trainer.create_optimizer()
@@ -77,7 +84,10 @@ def main():
     d = sum(p.numel() for p in model.parameters())
     print(f"# round overhead: BERT {d / 1e6:.1f}M parameters, {source}; {machine()}")
     print(f"# {args.examples} examples per round, {args.seq_len} tokens, nu=1, K=1, fp32")
-    print("| n | two forwards (s) | batched round (s) | ratio | gen passes | naive round (s) | naive ratio | naive passes |")
+    print(
+        "| n | two forwards (s) | batched round (s) | ratio | gen passes | naive round (s) | naive ratio "
+        "| naive passes |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,14 +109,20 @@ def main():
             naive = best_time(lambda: naive_round(trainer, model, inputs, n, per), args.repeats)
             naive_passes = (COUNTER.drawn - start) / (args.repeats + 1) / d
             rows[n] = (floor, ours, naive)
-            print(f"| {n} | {floor:.3f} | {ours:.3f} | {ours / floor:.2f} | {passes:.0f} | {naive:.3f} | "
-                  f"{naive / floor:.2f} | {naive_passes:.0f} |", flush=True)
+            print(
+                f"| {n} | {floor:.3f} | {ours:.3f} | {ours / floor:.2f} | {passes:.0f} | {naive:.3f} | "
+                f"{naive / floor:.2f} | {naive_passes:.0f} |",
+                flush=True,
+            )
     if 4 in rows and 64 in rows:
-        print(f"ratio(n=64) / ratio(n=4) = {(rows[64][1] / rows[64][0]) / (rows[4][1] / rows[4][0]):.3f} (target <= 1.2)")
+        growth = (rows[64][1] / rows[64][0]) / (rows[4][1] / rows[4][0])
+        print(f"ratio(n=64) / ratio(n=4) = {growth:.3f} (target <= 1.2)")
     if 16 in rows:
         floor, ours, naive = rows[16]
-        print(f"overhead at n=16: batched {ours - floor:.3f} s, naive {naive - floor:.3f} s, "
-              f"naive/batched = {(naive - floor) / max(ours - floor, 1e-9):.1f}x (target >= 5)")
+        print(
+            f"overhead at n=16: batched {ours - floor:.3f} s, naive {naive - floor:.3f} s, "
+            f"naive/batched = {(naive - floor) / max(ours - floor, 1e-9):.1f}x (target >= 5)"
+        )
 
 
 if __name__ == "__main__":

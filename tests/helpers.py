@@ -156,8 +156,15 @@ def make_trainer(model, dataset, output_dir, collator=None, trainer_kwargs=None,
     from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
 
     defaults = dict(
-        num_clients=4, per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2, report_to=[],
-        save_strategy="no", logging_steps=1, disable_tqdm=True, remove_unused_columns=False,
+        num_clients=4,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        remove_unused_columns=False,
     )
     defaults.update(kwargs)
     args = ZOByzantineArguments(output_dir=str(output_dir), **defaults)

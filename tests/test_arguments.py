@@ -17,13 +17,27 @@ from zo_byzantine import ZOByzantineArguments
         ({"num_clients": 4, "clients_per_round": 5}, r"clients_per_round=5 must be in \[1"),
         ({"clients_per_round": 0}, "clients_per_round=0"),
         ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
-        ({"aggregator": "nope"}, "aggregator='nope'.*accepted: mean"),
-        ({"attack": "nope"}, "attack='nope'.*accepted: none"),
+        ({"aggregator": "nope"}, "aggregator='nope'.*accepted: cclip, cwtm, geomed, krum, mean, median, multikrum"),
+        ({"attack": "nope"}, "attack='nope'.*accepted: alie, always_large"),
         ({"estimator": "nope"}, "estimator='nope'.*accepted: one_point, two_point"),
         ({"partition": "nope"}, "partition='nope'.*accepted: iid, dirichlet, shards"),
         ({"local_update": "nope"}, "local_update='nope'"),
         ({"byzantine_selection": "nope"}, "byzantine_selection='nope'"),
-        ({"pre_aggregators": ["nope"]}, "unknown step 'nope'"),
+        ({"pre_aggregators": ["nope"]}, "pre_aggregators entry='nope'.*accepted: bucketing, clip, nnm"),
+        ({"num_clients": 4, "num_byzantine": 1, "aggregator": "krum"}, r"krum: f=1 needs n > 2f \+ 2 = 4 \(n=4, b=1\)"),
+        (
+            {"num_clients": 6, "num_byzantine": 2, "aggregator": "cwtm", "aggregator_kwargs": {"beta": 0.5}},
+            r"cwtm: beta=0.5 trims 2\*floor\(beta\*n\)=6 of n values; need < n \(n=6, b=2\)",
+        ),
+        (
+            {"num_clients": 8, "num_byzantine": 2, "aggregator": "krum", "pre_aggregators": ["bucketing:s=2"]},
+            r"krum: f=2 needs n > 2f \+ 2 = 6 \(n=4, b=2\)",
+        ),
+        ({"aggregator_kwargs": {"nope": 1}}, "aggregator_kwargs.*nope"),
+        ({"num_byzantine": 1, "attack": "alie", "attack_kwargs": {"omega": "big"}}, "omega='big'"),
+        ({"num_byzantine": 1, "attack": "alie", "attack_kwargs": {"target": "x"}}, "target='x'"),
+        ({"attack": "sf"}, "attack='sf' needs Byzantine clients"),
+        ({"num_byzantine": 1, "attack": "nonfinite", "attack_kwargs": {"value": "huge"}}, "value='huge'"),
         ({"dirichlet_alpha": 0.0}, "dirichlet_alpha=0.0"),
         ({"min_client_examples": 0}, "min_client_examples=0"),
         ({"local_steps": 2}, "local_steps=2"),
@@ -36,7 +50,9 @@ def test_invalid_configuration_raises(tmp_path, kwargs, message):
 
 
 def test_json_kwargs_are_parsed(tmp_path):
-    args = ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], attack_kwargs='{"omega": 2}')
+    args = ZOByzantineArguments(
+        output_dir=str(tmp_path), report_to=[], num_byzantine=1, attack="alie", attack_kwargs='{"omega": 2}'
+    )
     assert args.attack_kwargs == {"omega": 2}
     assert args.zo_seed == args.seed
 
@@ -46,8 +62,13 @@ def test_partition_problems_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match="too few for num_clients=4"):
         trainer.train()
     trainer = make_trainer(
-        LogisticRegression(), VectorDataset(64), tmp_path, num_clients=8, partition="dirichlet",
-        dirichlet_alpha=0.01, min_client_examples=6,
+        LogisticRegression(),
+        VectorDataset(64),
+        tmp_path,
+        num_clients=8,
+        partition="dirichlet",
+        dirichlet_alpha=0.01,
+        min_client_examples=6,
     )
     with pytest.raises(ValueError, match="min_client_examples=6"):
         trainer.train()

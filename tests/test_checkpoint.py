@@ -11,8 +11,15 @@ from helpers import LogisticRegression, VectorDataset, assert_same_weights, make
 from zo_byzantine import Ledger, LedgerError, replay
 from zo_byzantine.ledger import LEDGER_NAME
 
-SETTINGS = dict(num_clients=4, max_steps=8, learning_rate=0.1, num_perturbations=2, partition="dirichlet",
-                lr_scheduler_type="linear", weight_decay=0.01)
+SETTINGS = dict(
+    num_clients=4,
+    max_steps=8,
+    learning_rate=0.1,
+    num_perturbations=2,
+    partition="dirichlet",
+    lr_scheduler_type="linear",
+    weight_decay=0.01,
+)
 
 
 def _model():
@@ -25,7 +32,9 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
     make_trainer(straight, VectorDataset(128), tmp_path / "a", **SETTINGS).train()
 
     resumed = _model()
-    make_trainer(resumed, VectorDataset(128), tmp_path / "b", **{**SETTINGS, "save_strategy": "steps", "save_steps": 4}).train()
+    make_trainer(
+        resumed, VectorDataset(128), tmp_path / "b", **{**SETTINGS, "save_strategy": "steps", "save_steps": 4}
+    ).train()
     checkpoint = tmp_path / "b" / "checkpoint-4"
     assert (checkpoint / LEDGER_NAME).is_file()
 

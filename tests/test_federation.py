@@ -74,7 +74,12 @@ class Median:
 def test_nonfinite_byzantine_values_are_counted_and_never_reach_the_model(tmp_path):
     model = LogisticRegression()
     trainer = make_trainer(
-        model, VectorDataset(128), tmp_path, num_clients=5, num_byzantine=2, max_steps=3,
+        model,
+        VectorDataset(128),
+        tmp_path,
+        num_clients=5,
+        num_byzantine=2,
+        max_steps=3,
         trainer_kwargs={"attack": NaNAttack(), "aggregator": Median()},
     )
     trainer.train()

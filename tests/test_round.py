@@ -83,8 +83,13 @@ def test_chunked_forwards_give_the_same_losses(tmp_path, tokenizer):
 def _drawn_per_round(tmp_path, num_clients, batch):
     model = LogisticRegression()
     trainer = make_trainer(
-        model, VectorDataset(512), tmp_path, num_clients=num_clients, per_device_train_batch_size=batch,
-        max_steps=3, num_perturbations=2,
+        model,
+        VectorDataset(512),
+        tmp_path,
+        num_clients=num_clients,
+        per_device_train_batch_size=batch,
+        max_steps=3,
+        num_perturbations=2,
     )
     start = COUNTER.drawn
     trainer.train()
@@ -104,8 +109,15 @@ def test_single_client_equals_mezo_reference(tmp_path):
     dataset = VectorDataset(64)
     lr, mu, steps = 0.05, 1e-3, 5
     trainer = make_trainer(
-        model, dataset, tmp_path, num_clients=1, per_device_train_batch_size=8, max_steps=steps,
-        learning_rate=lr, zo_eps=mu, lr_scheduler_type="constant",
+        model,
+        dataset,
+        tmp_path,
+        num_clients=1,
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        learning_rate=lr,
+        zo_eps=mu,
+        lr_scheduler_type="constant",
     )
     trainer.train()
 
@@ -135,8 +147,15 @@ def test_loss_decreases_on_learnable_task(tmp_path):
     model = LogisticRegression()
     dataset = VectorDataset(512)
     trainer = make_trainer(
-        model, dataset, tmp_path, num_clients=8, per_device_train_batch_size=16, max_steps=150,
-        learning_rate=0.2, num_perturbations=4, logging_steps=50,
+        model,
+        dataset,
+        tmp_path,
+        num_clients=8,
+        per_device_train_batch_size=16,
+        max_steps=150,
+        learning_rate=0.2,
+        num_perturbations=4,
+        logging_steps=50,
     )
 
     def full_loss():
@@ -155,7 +174,13 @@ def test_one_point_estimator_trains(tmp_path):
     model = LogisticRegression()
     dataset = VectorDataset(256)
     trainer = make_trainer(
-        model, dataset, tmp_path, estimator="one_point", max_steps=100, learning_rate=0.2, num_perturbations=4,
+        model,
+        dataset,
+        tmp_path,
+        estimator="one_point",
+        max_steps=100,
+        learning_rate=0.2,
+        num_perturbations=4,
         logging_steps=100,
     )
     start = torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()

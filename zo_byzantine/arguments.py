@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .aggregators import AGGREGATORS
-from .attacks import ATTACKS
+from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
+from .attacks import ATTACKS, build_attack
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
 
@@ -49,7 +49,8 @@ class ZOByzantineArguments(TrainingArguments):
     Parameters that control aggregation and attacks:
         aggregator (`str`, defaults to `"mean"`): robust rule, by registered name.
         aggregator_kwargs (`dict` or `str`, *optional*): its parameters (a JSON string on the command line).
-        pre_aggregators (`list[str]`, *optional*): steps applied before the rule, in order.
+        pre_aggregators (`list[str]`, *optional*): steps applied before the rule, in order: `nnm`, `clip:c=1.0`,
+            `bucketing:s=2`.
         attack (`str`, defaults to `"none"`): what the Byzantine clients send, by registered name.
         attack_kwargs (`dict` or `str`, *optional*): its parameters.
     """
@@ -117,10 +118,19 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError(f"zo_forward_batch_size={self.zo_forward_batch_size} must be >= 0 (0 = all at once).")
         _choice("aggregator", self.aggregator, AGGREGATORS.names())
         for step in self.pre_aggregators:
-            raise ValueError(
-                f"pre_aggregators={self.pre_aggregators!r}: unknown step {step!r}; none are available yet."
-            )
+            _choice("pre_aggregators entry", parse_step(step)[0], PRE_AGGREGATORS.names())
         _choice("attack", self.attack, ATTACKS.names())
+        if self.attack != "none" and b == 0:
+            raise ValueError(f"attack={self.attack!r} needs Byzantine clients: set num_byzantine >= 1.")
+        # build once so that parameters are checked against n and b now, not at the first round
+        try:
+            build_aggregator(self.aggregator, n, b, self.pre_aggregators, **self.aggregator_kwargs)
+        except TypeError as err:
+            raise ValueError(f"aggregator_kwargs / pre_aggregators: {err}") from err
+        try:
+            build_attack(self.attack, n, b, **self.attack_kwargs)
+        except TypeError as err:
+            raise ValueError(f"attack_kwargs: {err}") from err
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "

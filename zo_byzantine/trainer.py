@@ -32,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 BYTES_PER_SCALAR = 4  # scalars travel as float32
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+WINDOW_KEYS = (
+    "rounds",
+    "skipped_rounds",
+    "nonfinite_values",
+    "aggregate_shift",
+    "honest_mean_norm",
+    "omega",
+    "omega_rounds",
+    "byzantine_values_kept",
+)
 
 
 def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -74,14 +84,16 @@ class ZOByzantineTrainer(Trainer):
         if zo.world_size > 1 or zo.n_gpu > 1:
             raise ValueError("ZOByzantineTrainer runs in one process on one device for now (world_size=1, n_gpu<=1).")
         n, b = zo.num_clients, zo.num_byzantine
-        self.aggregator = build_aggregator(aggregator or zo.aggregator, n, b, **zo.aggregator_kwargs)
+        self.aggregator = build_aggregator(
+            aggregator or zo.aggregator, n, b, zo.pre_aggregators, **zo.aggregator_kwargs
+        )
         self.attack = build_attack(attack or zo.attack, n, b, **zo.attack_kwargs)
         self.estimator = ESTIMATORS.get(zo.estimator)(zo.zo_eps)
         self.federation: Federation | None = None
         self.table: ParameterTable | None = None
         self.zo_optimizer: ZOOptimizer | None = None
         self.ledger: Ledger | None = None
-        self._window = {"rounds": 0, "skipped_rounds": 0, "nonfinite_values": 0}
+        self._window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._drawn_at_log = COUNTER.drawn
 
     # ----- set-up: optimizer, clients' data -------------------------------------------------
@@ -192,13 +204,18 @@ class ZOByzantineTrainer(Trainer):
         )
         seed_tuples = [(zo.zo_seed, t, 1, r) for r in range(zo.num_perturbations)]
         seeds = [direction_seed(*s) for s in seed_tuples]
+        byzantine = torch.as_tensor(self.federation.is_byzantine[participants], device=zo.device)
+        if getattr(self.attack, "flips_labels", False) and byzantine.any():
+            inputs = self.flip_labels(model, inputs, byzantine.repeat_interleave(zo.per_device_train_batch_size))
+        for part in (self.aggregator, self.attack):
+            if hasattr(part, "set_round"):
+                part.set_round((zo.zo_seed, t, 1))
 
         model.eval()  # zeroth-order forwards run without dropout, as MeZO's
         with torch.no_grad():
             estimate = self.estimator(
                 lambda terms: self.client_losses(model, inputs, client_of_example, len(participants), terms), seeds
             )
-        byzantine = torch.as_tensor(self.federation.is_byzantine[participants], device=estimate.vectors.device)
         vectors, honest_losses = estimate.vectors, estimate.losses[~byzantine]
         honest_loss = honest_losses.mean()
 
@@ -206,14 +223,17 @@ class ZOByzantineTrainer(Trainer):
         if not torch.isfinite(honest_losses).all() or not torch.isfinite(vectors[~byzantine]).all():
             skipped = "non-finite honest loss"
         else:
+            honest = vectors[~byzantine]
             if byzantine.any():
                 vectors = vectors.clone()
-                vectors[byzantine] = self.attack(vectors[~byzantine], vectors[byzantine], self.aggregator).to(vectors)
+                vectors[byzantine] = self.attack(honest, vectors[byzantine], self.aggregator).to(vectors)
             vectors, nonfinite = sanitize(vectors)
             self._window["nonfinite_values"] += nonfinite
             aggregate = self.aggregator(vectors)
             if not torch.isfinite(aggregate).all():
                 skipped = "non-finite aggregate"
+            else:
+                self.diagnose(aggregate, honest, byzantine)
         lr = self.zo_optimizer.learning_rate()
         if skipped:
             logger.warning("Round %d skipped (%s); the model is left unchanged.", t, skipped)
@@ -225,6 +245,30 @@ class ZOByzantineTrainer(Trainer):
             self.ledger.record(t, seed_tuples, coefficients, lr)
         self._window["rounds"] += 1
         return honest_loss.detach().to(device=zo.device, dtype=torch.float32)
+
+    def flip_labels(self, model, inputs: dict, rows: torch.Tensor) -> dict:
+        """Label flipping on the Byzantine clients' rows: ``y -> C - 1 - y`` (ignored labels kept)."""
+        labels = inputs.get("labels")
+        if labels is None or labels.dim() != 1:
+            raise ValueError("attack='lf' needs class labels of shape [batch] in the inputs.")
+        classes = self.attack.num_classes or getattr(getattr(model, "config", None), "num_labels", None)
+        if not classes:
+            raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
+        flipped = torch.where(rows & (labels >= 0), classes - 1 - labels, labels)
+        return {**inputs, "labels": flipped}
+
+    def diagnose(self, aggregate: torch.Tensor, honest: torch.Tensor, byzantine: torch.Tensor) -> None:
+        """Window sums of ``||R - hbar||``, ``||hbar||``, the attack's omega, CWTM's surviving Byzantine values."""
+        window, hbar = self._window, honest.mean(dim=0)
+        window["aggregate_shift"] += float((aggregate - hbar).norm())
+        window["honest_mean_norm"] += float(hbar.norm())
+        omega = getattr(self.attack, "last_omega", None)
+        if omega is not None:
+            window["omega"] += omega
+            window["omega_rounds"] += 1
+        kept = getattr(self.aggregator, "last_kept", None)
+        if kept is not None and byzantine.any():
+            window["byzantine_values_kept"] += int(kept[byzantine.to(kept.device)].sum())
 
     # ----- logs, communication, checkpoints ---------------------------------------------------
 
@@ -251,8 +295,15 @@ class ZOByzantineTrainer(Trainer):
         window = self._window
         if "loss" in logs and window["rounds"] and self.table is not None:
             logs.update(self.communication())
-            logs["skipped_rounds"] = window["skipped_rounds"]
-            logs["nonfinite_values"] = window["nonfinite_values"]
+            applied = max(window["rounds"] - window["skipped_rounds"], 1)
+            logs["skipped_rounds"] = int(window["skipped_rounds"])
+            logs["nonfinite_values"] = int(window["nonfinite_values"])
+            logs["aggregate_shift"] = window["aggregate_shift"] / applied  # mean ||R - hbar||
+            logs["honest_mean_norm"] = window["honest_mean_norm"] / applied  # mean ||hbar||
+            if window["omega_rounds"]:
+                logs["attack_omega"] = window["omega"] / window["omega_rounds"]
+            if getattr(self.aggregator, "last_kept", None) is not None:
+                logs["byzantine_values_kept"] = int(window["byzantine_values_kept"])
             # Gaussian numbers drawn since the last log (perturbed forwards and updates), in units of d
             logs["generator_passes_per_round"] = (COUNTER.drawn - self._drawn_at_log) / (
                 window["rounds"] * self.table.numel
