@@ -232,6 +232,8 @@ class ZOByzantineTrainer(Trainer):
             aggregate = self.aggregator(vectors)
             if not torch.isfinite(aggregate).all():
                 skipped = "non-finite aggregate"
+            elif self.overflows(aggregate):
+                skipped = "aggregate overflows the parameters' dtype"
             else:
                 self.diagnose(aggregate, honest, byzantine)
         lr = self.zo_optimizer.learning_rate()
@@ -245,6 +247,13 @@ class ZOByzantineTrainer(Trainer):
             self.ledger.record(t, seed_tuples, coefficients, lr)
         self._window["rounds"] += 1
         return honest_loss.detach().to(device=zo.device, dtype=torch.float32)
+
+    def overflows(self, aggregate: torch.Tensor) -> bool:
+        """Guard: ``lr * sum_r |R[r]| * 10`` (|z| < 10 in practice) above ``sqrt(largest float)`` of the weights'
+        dtype. No honest update is that large; applying it (a non-robust rule fed extreme values) would push
+        the weights towards inf, so the round is skipped and logged instead."""
+        largest = min(torch.finfo(p.dtype).max for p in self.table.params)
+        return self.zo_optimizer.learning_rate() * float(aggregate.abs().sum()) * 10 >= largest**0.5
 
     def flip_labels(self, model, inputs: dict, rows: torch.Tensor) -> dict:
         """Label flipping on the Byzantine clients' rows: ``y -> C - 1 - y`` (ignored labels kept)."""
