@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_callback import ProgressCallback
 
 from .aggregators import build_aggregator
 from .arguments import ZOByzantineArguments
@@ -320,6 +321,10 @@ class ZOByzantineTrainer(Trainer):
             self._window = dict.fromkeys(window, 0)
             self._drawn_at_log = COUNTER.drawn
         super().log(logs, start_time)
+        if "loss" in logs:  # the progress bar shows rounds with the honest loss
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                    callback.training_bar.set_postfix(honest_loss=f"{logs['loss']:.4f}", refresh=False)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model as ``Trainer`` does, and the ledger beside it."""

@@ -1,0 +1,1 @@
+"""Task specifications (JSON), installed as the package data ``zo_byzantine.task_specs``."""

@@ -1,0 +1,1 @@
+"""Local ``evaluate`` modules: ``evaluate.load(<path to file>)`` needs no network."""

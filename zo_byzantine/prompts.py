@@ -1,0 +1,146 @@
+"""Prompt-based classification (LM-BFF / MeZO): templates, label words, prompt models.
+
+Masked LM: ``*cls**sent_0*_It_was*mask*.*sep+*`` -> class logits = LM logits at ``<mask>``
+restricted to the label words. Causal LM: ``"{text_a} It was"`` -> class logits = next-token
+logits after the prompt restricted to the (single-token) options, i.e. the options'
+log-likelihoods up to a shared constant (MeZO's ``train_as_classification``). Either way the
+loss is the cross-entropy over the label words, and the model returns ``logits`` of shape
+``[batch, num_labels]``, so ``Trainer.evaluate``/``predict`` and ``compute_metrics`` work unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from .tasks import TaskSpec
+
+KINDS = ("masked_lm", "causal_lm")
+_SENT = re.compile(r"^(\+)?sent(l)?(-)?_(\d)$")
+
+
+def label_token_ids(spec: TaskSpec, tokenizer, kind: str) -> list[int]:
+    """One token id per class. Masked LM words get a leading space (a no-op for WordPiece); causal
+    options are taken verbatim. A word that is not one token fails, naming word and tokenizer."""
+    ids = []
+    for label in spec.labels:
+        word = " " + spec.label_words[label] if kind == "masked_lm" else spec.causal_lm_words[label]
+        tokens = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            pieces = tokenizer.convert_ids_to_tokens(tokens)
+            raise ValueError(
+                f"Label word {word!r} of task {spec.name!r} is {len(tokens)} tokens {pieces} for tokenizer "
+                f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}); label words must be one token."
+            )
+        ids.append(tokens[0])
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"Label words of task {spec.name!r} share a token for this tokenizer: {ids}.")
+    return ids
+
+
+def _special(tokenizer, name: str) -> list[int]:
+    token_id = getattr(tokenizer, f"{name}_token_id", None)
+    if token_id is None:
+        if name == "mask":
+            raise ValueError(f"Tokenizer {type(tokenizer).__name__} has no mask token: use a causal LM template.")
+        return []
+    return [token_id]
+
+
+def encode_masked(template: str, texts: list[str | None], tokenizer, max_length: int) -> list[int]:
+    """LM-BFF template -> token ids; sentences are shortened (longest first) to fit ``max_length``."""
+    pieces: list[tuple[bool, list[int]]] = []  # (is a sentence, ids)
+    for part in filter(None, template.split("*")):
+        match = _SENT.match(part)
+        if part in ("cls", "mask", "sep", "sep+"):
+            pieces.append((False, _special(tokenizer, part.rstrip("+"))))
+        elif match:
+            space, lower, drop_last, index = match.groups()
+            text = texts[int(index)]
+            if text is None:
+                raise ValueError(f"Template {template!r} uses sentence {index}, which this example lacks.")
+            text = text[:-1] if drop_last else text
+            text = text[:1].lower() + text[1:] if lower else text
+            text = " " + text if space else text
+            pieces.append((True, tokenizer(text, add_special_tokens=False)["input_ids"]))
+        else:
+            pieces.append((False, tokenizer(part.replace("_", " "), add_special_tokens=False)["input_ids"]))
+    overflow = sum(len(ids) for _, ids in pieces) - max_length
+    while overflow > 0:
+        longest = max((p for p in pieces if p[0]), key=lambda p: len(p[1]))
+        if not longest[1]:
+            raise ValueError(f"max_length={max_length} is too short for template {template!r}.")
+        longest[1].pop()
+        overflow -= 1
+    return [i for _, ids in pieces for i in ids]
+
+
+def encode_causal(template: str, texts: list[str | None], tokenizer, max_length: int) -> list[int]:
+    """``[bos] + template.format(text_a=..., text_b=...)`` -> ids, no end token (the next token is scored);
+    keeps the last ``max_length`` tokens."""
+    prompt = template.format(text_a=texts[0], text_b=texts[1] if len(texts) > 1 else None)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return (bos + ids)[-max_length:]
+
+
+def encode_example(example: dict, spec: TaskSpec, tokenizer, kind: str, max_length: int | None = None) -> dict:
+    """``{"input_ids", "attention_mask", "labels"}`` for one example."""
+    texts = [example["text_a"], example.get("text_b")]
+    encode = encode_masked if kind == "masked_lm" else encode_causal
+    ids = encode(spec.templates[kind], texts, tokenizer, max_length or spec.max_length)
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": example["label"]}
+
+
+def _split(lm: nn.Module):
+    """(backbone, head) when the LM is ``base_model`` + one head module, else None (full forward)."""
+    base = getattr(lm, "base_model", None)
+    heads = [m for _, m in lm.named_children() if m is not base]
+    return (base, heads[0]) if base is not None and base is not lm and len(heads) == 1 else None
+
+
+class PromptModel(nn.Module):
+    """Wraps an ``AutoModelForMaskedLM`` / ``AutoModelForCausalLM``; returns class logits over label words.
+
+    Only the hidden state at the scored position goes through the LM head (one position per example).
+    """
+
+    def __init__(self, lm: nn.Module, label_ids: list[int], kind: str, mask_token_id: int | None = None):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is not supported; accepted: {', '.join(KINDS)}.")
+        if kind == "masked_lm" and mask_token_id is None:
+            raise ValueError("A masked-LM prompt model needs mask_token_id.")
+        self.lm, self.kind, self.mask_token_id = lm, kind, mask_token_id
+        self.register_buffer("label_ids", torch.tensor(label_ids), persistent=False)
+        self.num_labels = len(label_ids)
+        self.config = getattr(lm, "config", None)
+
+    def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "masked_lm":
+            is_mask = input_ids == self.mask_token_id
+            if not is_mask.any(dim=1).all():
+                raise ValueError("Every masked-LM prompt needs a mask token (was it truncated?).")
+            return is_mask.int().argmax(dim=1)
+        if attention_mask is None:
+            return torch.full((len(input_ids),), input_ids.shape[1] - 1, device=input_ids.device)
+        last = torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask  # last attended token
+        return last.argmax(dim=1)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        rows = torch.arange(len(input_ids), device=input_ids.device)
+        at = self.positions(input_ids, attention_mask)
+        split = _split(self.lm)
+        if split is not None:
+            backbone, head = split
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            vocab_logits = head(hidden[rows, at])
+        else:
+            vocab_logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[rows, at]
+        logits = vocab_logits[:, self.label_ids]
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
