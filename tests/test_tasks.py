@@ -129,10 +129,8 @@ def test_label_words_are_single_tokens(tokenizers, task):
 def test_multi_token_label_word_fails_naming_word_and_tokenizer(tokenizers):
     spec = load_task("sst2")
     spec.label_words = {"negative": "abysmalness", "positive": "great"}
-    with pytest.raises(
-        ValueError,
-        match=r"Label word ' abysmalness' of task 'sst2' is \d+ tokens .*PreTrainedTokenizerFast|Label word ' abysmalness' of task 'sst2' is \d+ tokens",
-    ):
+    name = type(tokenizers["bpe"]).__name__
+    with pytest.raises(ValueError, match=rf"Label word ' abysmalness' of task 'sst2' is \d+ tokens .* {name} "):
         label_token_ids(spec, tokenizers["bpe"], "masked_lm")
 
 

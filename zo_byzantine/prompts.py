@@ -34,7 +34,8 @@ def label_token_ids(spec: TaskSpec, tokenizer, kind: str) -> list[int]:
             pieces = tokenizer.convert_ids_to_tokens(tokens)
             raise ValueError(
                 f"Label word {word!r} of task {spec.name!r} is {len(tokens)} tokens {pieces} for tokenizer "
-                f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}); label words must be one token."
+                f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}); "
+                "label words must be one token."
             )
         ids.append(tokens[0])
     if len(set(ids)) != len(ids):
