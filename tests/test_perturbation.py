@@ -115,13 +115,14 @@ def test_two_point_estimate_is_directional_derivative_up_to_mu_squared():
     z = gaussian_like(model.w, seed, 0)
     exact = torch.dot(model.w.detach() ** 2 + 2 * model.w.detach(), z).item()
 
-    def loss_at(terms):
-        with torch.no_grad(), perturbed(table, terms):
-            return model().reshape(1)
+    class Oracle:  # one client, direction 0 = z
+        def loss(self, r, coeff):
+            with torch.no_grad(), perturbed(table, [] if r is None else [(seed, coeff)]):
+                return model().reshape(1)
 
     errors = []
     for mu in (1e-1, 1e-2):
-        estimate = TwoPoint(mu)(loss_at, [seed]).vectors[0, 0].item()
+        estimate = TwoPoint(mu)(Oracle(), 1).vectors[0, 0].item()
         errors.append(abs(estimate - exact))
         # central difference of a cubic: error = mu^2 * sum(z^3) / 3 exactly
         assert errors[-1] == pytest.approx(abs(mu**2 * (z**3).sum().item() / 3), rel=1e-4)

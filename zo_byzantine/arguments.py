@@ -11,8 +11,11 @@ from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_s
 from .attacks import ATTACKS, build_attack
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
+from .optim import SERVER_OPTIMIZERS
 
 LOCAL_UPDATES = ("unbiased", "biased", "compressed")
+DIRECTIONS = ("shared", "per_client")
+AGGREGATION_SPACES = ("projection", "parameter")
 BYZANTINE_SELECTIONS = ("first", "random")
 
 
@@ -45,6 +48,13 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+        local_learning_rate (`float`, *optional*): step of the clients' local ZO-SGD steps; defaults to `learning_rate`.
+        directions (`str`, defaults to `"shared"`): `"shared"` (FedByZO) or `"per_client"` (FedES, paper 001).
+        aggregation_space (`str`, defaults to `"projection"`): rules on R^nu vectors, or `"parameter"` on the
+            reconstructed R^d estimates (FedZO baseline; memory n*d).
+        dense_memory_limit_gb (`float`, *optional*): largest n*d*8 bytes accepted for R^d aggregation; 1/4 of RAM.
+        server_optimizer (`str`, defaults to `"sgd"`): `"sgd"` or `"amsgrad"` (ZO-AdaFL; dense state 3d floats).
+        server_betas, server_eps, server_v0: AMSGrad's (0.9, 0.99), 1e-8 (inside the square root), 1e-5.
 
     Parameters that control aggregation and attacks:
         aggregator (`str`, defaults to `"mean"`): robust rule, by registered name.
@@ -69,6 +79,14 @@ class ZOByzantineArguments(TrainingArguments):
     local_update: str = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
+    local_learning_rate: float | None = field(default=None, metadata={"help": "Local ZO-SGD step; lr if unset."})
+    directions: str = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
+    aggregation_space: str = field(default="projection", metadata={"help": "projection (R^nu) or parameter (R^d)."})
+    dense_memory_limit_gb: float | None = field(default=None, metadata={"help": "Cap for R^d aggregation memory."})
+    server_optimizer: str = field(default="sgd", metadata={"help": "sgd or amsgrad (ZO-AdaFL)."})
+    server_betas: tuple[float, float] = field(default=(0.9, 0.99), metadata={"help": "AMSGrad betas."})
+    server_eps: float = field(default=1e-8, metadata={"help": "AMSGrad eps (inside the square root)."})
+    server_v0: float = field(default=1e-5, metadata={"help": "AMSGrad initial second moment."})
     aggregator: str = field(default="mean", metadata={"help": "Aggregation rule, by name."})
     aggregator_kwargs: dict | str | None = field(default=None, metadata={"help": "Rule parameters (JSON)."})
     pre_aggregators: list[str] = field(default_factory=list, metadata={"help": "Pre-aggregation steps, in order."})
@@ -107,13 +125,34 @@ class ZOByzantineArguments(TrainingArguments):
         if self.min_client_examples < 1:
             raise ValueError(f"min_client_examples={self.min_client_examples} must be >= 1.")
         _choice("estimator", self.estimator, ESTIMATORS.names())
-        if not self.zo_eps > 0:
+        if ESTIMATORS.get(self.estimator).uses_mu and not self.zo_eps > 0:
             raise ValueError(f"zo_eps={self.zo_eps} must be > 0 for estimator={self.estimator!r}.")
         if self.num_perturbations < 1:
             raise ValueError(f"num_perturbations={self.num_perturbations} must be >= 1.")
         _choice("local_update", self.local_update, LOCAL_UPDATES)
-        if self.local_steps != 1:
-            raise ValueError(f"local_steps={self.local_steps} is not implemented yet; accepted: 1.")
+        if self.local_steps < 1:
+            raise ValueError(f"local_steps={self.local_steps} must be >= 1.")
+        _choice("directions", self.directions, DIRECTIONS)
+        _choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
+        _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        if self.local_learning_rate is not None and self.local_learning_rate < 0:
+            raise ValueError(f"local_learning_rate={self.local_learning_rate} must be >= 0.")
+        if self.estimator == "first_order" and (self.local_steps != 1 or self.aggregation_space != "projection"):
+            raise ValueError(
+                "estimator='first_order' (FedAvg) runs with local_steps=1 and aggregates in R^d already; "
+                f"got local_steps={self.local_steps}, aggregation_space={self.aggregation_space!r}."
+            )
+        if self.directions == "per_client" and (
+            self.aggregator != "mean" or self.aggregation_space != "projection" or self.local_update == "compressed"
+        ):
+            raise ValueError(
+                "directions='per_client' (FedES) needs aggregator='mean', aggregation_space='projection' "
+                "and local_update != 'compressed': each client's scalars live in its own basis."
+            )
+        if self.aggregation_space == "parameter" and self.local_update == "compressed":
+            raise ValueError("aggregation_space='parameter' does not combine with local_update='compressed'.")
+        if self.server_optimizer == "amsgrad" and self.aggregation_space == "parameter":
+            raise ValueError("server_optimizer='amsgrad' works on seeded updates (aggregation_space='projection').")
         if self.zo_forward_batch_size < 0:
             raise ValueError(f"zo_forward_batch_size={self.zo_forward_batch_size} must be >= 0 (0 = all at once).")
         _choice("aggregator", self.aggregator, AGGREGATORS.names())

@@ -1,23 +1,25 @@
-"""Zeroth-order estimators of the directional derivatives ``<grad F_i(w), z_r>`` (SPEC 1.3).
+"""Estimators of the directional derivatives ``g_i[r] = <grad F_i(w_i), z_{i,r}>`` (SPEC 1.3).
 
-Every estimator takes ``loss_at(terms) -> Tensor[n]``, the loss of each of the ``n`` clients at
-``w + sum_k c_k z_k`` (one batched evaluation of all clients), and the round's directions,
-and returns the clients' vectors ``v_i = (1/nu) (g_i[1], ..., g_i[nu])`` in R^nu.
+An estimator takes an oracle and ``nu`` and returns every client's vector
+``v_i = (1/nu) (g_i[1], ..., g_i[nu])`` in R^nu. The oracle evaluates all clients at once:
+``oracle.loss(r, c)`` is the loss of each client at ``w_i + c z_{i,r}`` (``r=None``: at ``w_i``),
+``oracle.grad_dot(r)`` is ``<grad F_i(w_i), z_{i,r}>`` by backprop.
 
-- ``two_point``: ``g = (F(w + mu z) - F(w - mu z)) / (2 mu)``       (2 forwards per direction)
-- ``one_point``: ``g = (F(w + mu z) - F(w)) / mu``                   (1 forward per direction + 1)
+- ``two_point``:           ``g = (F(w + mu z) - F(w - mu z)) / (2 mu)``   (2 forwards per direction)
+- ``one_point``:           ``g = (F(w + mu z) - F(w)) / mu``              (1 forward per direction + 1)
+- ``gradient_projection``: ``g = <grad F(w), z>``                         (mu = 0; a backward per client)
+- ``first_order``:         not an estimator: clients send backprop gradients (FedAvg baseline, R^d).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .registry import Registry
 
-LossAt = Callable[[Sequence[tuple[int, float]]], torch.Tensor]
+ESTIMATORS = Registry("estimator")
 
 
 @dataclass
@@ -28,38 +30,58 @@ class Estimate:
     losses: torch.Tensor
 
 
+@ESTIMATORS.register("two_point")
 class TwoPoint:
     """Central difference: ``g_r = (F(w + mu z_r) - F(w - mu z_r)) / (2 mu)``."""
 
-    forwards_per_direction = 2
+    uses_mu = True
 
     def __init__(self, mu: float):
         self.mu = mu
 
-    def __call__(self, loss_at: LossAt, seeds: Sequence[int]) -> Estimate:
+    def __call__(self, oracle, num_directions: int) -> Estimate:
         columns, losses = [], 0.0
-        for seed in seeds:
-            plus = loss_at([(seed, self.mu)])
-            minus = loss_at([(seed, -self.mu)])
+        for r in range(num_directions):
+            plus, minus = oracle.loss(r, self.mu), oracle.loss(r, -self.mu)
             columns.append((plus - minus) / (2 * self.mu))
             losses = losses + (plus + minus) / 2
-        return Estimate(torch.stack(columns, dim=1) / len(seeds), losses / len(seeds))
+        return Estimate(torch.stack(columns, dim=1) / num_directions, losses / num_directions)
 
 
+@ESTIMATORS.register("one_point")
 class OnePoint:
     """Forward difference (paper 002): ``g_r = (F(w + mu z_r) - F(w)) / mu``."""
 
-    forwards_per_direction = 1
+    uses_mu = True
 
     def __init__(self, mu: float):
         self.mu = mu
 
-    def __call__(self, loss_at: LossAt, seeds: Sequence[int]) -> Estimate:
-        base = loss_at([])
-        columns = [(loss_at([(seed, self.mu)]) - base) / self.mu for seed in seeds]
-        return Estimate(torch.stack(columns, dim=1) / len(seeds), base)
+    def __call__(self, oracle, num_directions: int) -> Estimate:
+        base = oracle.loss(None, 0.0)
+        columns = [(oracle.loss(r, self.mu) - base) / self.mu for r in range(num_directions)]
+        return Estimate(torch.stack(columns, dim=1) / num_directions, base)
 
 
-ESTIMATORS = Registry("estimator")
-ESTIMATORS.register("two_point")(TwoPoint)
-ESTIMATORS.register("one_point")(OnePoint)
+@ESTIMATORS.register("gradient_projection")
+class GradientProjection:
+    """``g_r = <grad F(w), z_r>`` by backprop (mu = 0 in papers 003/004): to study the estimator."""
+
+    uses_mu = False
+
+    def __init__(self, mu: float = 0.0):
+        pass
+
+    def __call__(self, oracle, num_directions: int) -> Estimate:
+        columns = [oracle.grad_dot(r) for r in range(num_directions)]
+        return Estimate(torch.stack(columns, dim=1) / num_directions, oracle.base_losses())
+
+
+@ESTIMATORS.register("first_order")
+class FirstOrder:
+    """Marker: clients send their backprop gradients in R^d (FedAvg with robust aggregation)."""
+
+    uses_mu = False
+
+    def __init__(self, mu: float = 0.0):
+        pass

@@ -2,8 +2,9 @@
 
 It is the protocol's whole downlink: ``replay(model, ledger)`` rebuilds the trained weights
 from the starting weights, bitwise, by applying ``w <- w - lr_t * (sum_r R_t[r] z_{t,r} + wd w)``
-round after round. Stored as JSON (safe to load from an untrusted source) with a SHA-256 digest
-of its rounds, so a corrupt or truncated file fails loudly.
+round after round (with the server's AMSGrad state when it uses one). Stored as JSON (safe to load
+from an untrusted source) with a SHA-256 digest of its rounds, so a corrupt or truncated file fails
+loudly. Dense rounds (first-order, parameter-space aggregation) are marked and cannot be replayed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 
 from torch import nn
 
-from .perturbation import ParameterTable, apply_update, direction_seed
+from .optim import ZOOptimizer
+from .perturbation import ParameterTable, direction_seed
 
 LEDGER_NAME = "zo_ledger.json"
 FORMAT = "zo_byzantine.ledger"
@@ -32,16 +34,35 @@ def _digest(rounds: list) -> str:
 class Ledger:
     """Append-only record of a run's rounds."""
 
-    def __init__(self, table: ParameterTable, weight_decay: dict[int, float], rounds: list | None = None):
+    def __init__(self, optimizer: ZOOptimizer, rounds: list | None = None):
+        table = optimizer.table
         self.parameters = [[name, list(p.shape)] for name, p in zip(table.names, table.params, strict=True)]
-        self.weight_decay = {table.names[i]: wd for i, wd in sorted(weight_decay.items())}
+        self.weight_decay = {table.names[i]: wd for i, wd in sorted(optimizer.weight_decay().items())}
+        self.server = {
+            "optimizer": optimizer.server,
+            "local_lr": optimizer.local_lr,
+            "betas": list(optimizer.betas),
+            "eps": optimizer.eps,
+            "v0": optimizer.v0,
+        }
         self.rounds: list[dict] = rounds or []
 
-    def record(self, round_index: int, seed_tuples, coefficients, lr: float | None, skipped: str | None = None):
+    def record(
+        self,
+        round_index: int,
+        seed_tuples,
+        coefficients,
+        lr: float | None,
+        skipped: str | None = None,
+        dense: bool = False,
+    ):
+        """One round: its seed tuples and coefficients ``R``, or why it was skipped, or that it was dense."""
         entry = {"round": int(round_index), "lr": lr, "seeds": [list(map(int, s)) for s in seed_tuples]}
         entry["coefficients"] = [float(c) for c in coefficients]
         if skipped:
             entry["skipped"] = skipped
+        if dense:
+            entry["dense"] = True  # first-order or parameter-space update: not in the span of the directions
         self.rounds = [r for r in self.rounds if r["round"] < round_index] + [entry]
 
     def to_dict(self) -> dict:
@@ -50,6 +71,7 @@ class Ledger:
             "version": VERSION,
             "parameters": self.parameters,
             "weight_decay": self.weight_decay,
+            "server": self.server,
             "rounds": self.rounds,
             "digest": _digest(self.rounds),
         }
@@ -73,7 +95,7 @@ class Ledger:
             raise LedgerError(f"Cannot read ledger {path!r}: {err} (corrupt or truncated?)") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
             raise LedgerError(f"{path!r} is not a {FORMAT} version {VERSION} file.")
-        missing = {"parameters", "weight_decay", "rounds", "digest"} - set(data)
+        missing = {"parameters", "weight_decay", "server", "rounds", "digest"} - set(data)
         if missing:
             raise LedgerError(f"Ledger {path!r} lacks {sorted(missing)}.")
         if _digest(data["rounds"]) != data["digest"]:
@@ -91,10 +113,30 @@ def replay(model: nn.Module, ledger: dict | str) -> nn.Module:
             "The model's trainable parameters (names, shapes) differ from those the ledger was written for."
         )
     index = {name: i for i, name in enumerate(table.names)}
-    weight_decay = {index[name]: wd for name, wd in data["weight_decay"].items()}
+    decayed = {index[name]: wd for name, wd in data["weight_decay"].items()}
+    groups = [{"params": [p], "weight_decay": decayed.get(j, 0.0)} for j, p in table]
+    server = data["server"]
+    optimizer = ZOOptimizer(
+        table,
+        groups,
+        lr=0.0,
+        server=server["optimizer"],
+        local_lr=server["local_lr"],
+        betas=tuple(server["betas"]),
+        eps=server["eps"],
+        v0=server["v0"],
+    )
     for entry in data["rounds"]:
+        if entry.get("dense"):
+            raise LedgerError(
+                f"Round {entry['round']} applied a dense update (first-order or parameter-space "
+                "aggregation), which the ledger cannot replay."
+            )
         if entry.get("skipped"):
             continue
+        for group in optimizer.param_groups:
+            group["lr"] = entry["lr"]
         seeds = [direction_seed(*s) for s in entry["seeds"]]
-        apply_update(table, list(zip(seeds, entry["coefficients"], strict=True)), entry["lr"], weight_decay)
+        optimizer.stage(list(zip(seeds, entry["coefficients"], strict=True)))
+        optimizer.step()
     return model

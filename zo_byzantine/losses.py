@@ -32,7 +32,8 @@ def per_example_loss(model: nn.Module, outputs, labels: torch.Tensor | None):
             "A zeroth-order round needs per-example losses: the model must return `logits` (with `labels` in the "
             "inputs) or a `loss` of shape [batch]."
         )
-    logits = logits.float()
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     if logits.dim() == 2 and labels.dim() == 1:
         if logits.shape[-1] == 1 and labels.is_floating_point():  # regression
             sums = (logits.squeeze(-1) - labels.float()).pow(2)

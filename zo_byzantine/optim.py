@@ -1,30 +1,55 @@
 """The server update as a ``torch.optim.Optimizer``, so Trainer schedulers drive its learning rate.
 
-``training_step`` stages the round's update ``sum_r R_t[r] z_r`` as (direction seed, R_t[r])
-pairs; ``step()`` applies ``w <- w - lr * (sum_r R_t[r] z_r + wd * w)`` (SPEC 1.4 step 6, 1.6),
-regenerating each ``z_r`` from its seed, with ``lr`` and ``weight_decay`` read from the param
-groups at that moment.
+``training_step`` stages the round's update; ``step()`` applies it with ``lr`` and ``weight_decay``
+read from the param groups at that moment (SPEC 1.4 step 6, 1.6):
+
+- seeded terms ``[(seed, c)]`` (the protocol's downlink): ``g = sum_k c_k z_k``, regenerated from seeds;
+- a dense update (first-order FedAvg, FedZO in parameter space): ``g`` given per parameter.
+
+Server rule ``sgd``: ``w <- w - lr (g + wd w)`` (no state). Server rule ``amsgrad`` (ZO-AdaFL, paper 002,
+SPEC 4) on the pseudo-gradient ``h = local_lr * g``:
+``m <- b1 m + (1 - b1) h``, ``v <- b2 v + (1 - b2) h^2``, ``vhat <- max(vhat, v)`` (``v0 = vhat0 = 1e-5``),
+``w <- w - lr m / sqrt(vhat + eps)``, no bias correction. Its state is dense: 3 d floats.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .perturbation import ParameterTable, Terms, apply_update
+from .perturbation import ParameterTable, Terms, apply_update, combination
+
+SERVER_OPTIMIZERS = ("sgd", "amsgrad")
 
 
 class ZOOptimizer(torch.optim.Optimizer):
-    """Applies staged seeded updates; holds no per-parameter state (memory: none)."""
+    """Applies staged seeded (or dense) updates with the server rule."""
 
-    def __init__(self, table: ParameterTable, param_groups, lr: float):
+    def __init__(
+        self,
+        table: ParameterTable,
+        param_groups,
+        lr: float,
+        server: str = "sgd",
+        local_lr: float = 1.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-8,
+        v0: float = 1e-5,
+    ):
+        if server not in SERVER_OPTIMIZERS:
+            raise ValueError(f"server_optimizer={server!r} is not supported; accepted: {', '.join(SERVER_OPTIMIZERS)}.")
         super().__init__(param_groups, {"lr": lr, "weight_decay": 0.0})
-        self.table = table
+        self.table, self.server = table, server
+        self.local_lr, self.betas, self.eps, self.v0 = local_lr, betas, eps, v0
         self._staged: Terms | None = None
-        self.last_applied: dict | None = None
+        self._dense: list[torch.Tensor] | None = None
 
     def stage(self, terms: Terms) -> None:
-        """The next ``step()`` applies ``w <- w - lr * sum_k c_k z_k`` (and weight decay)."""
-        self._staged = list(terms)
+        """The next ``step()`` applies ``g = sum_k c_k z_k``."""
+        self._staged, self._dense = list(terms), None
+
+    def stage_dense(self, update: list[torch.Tensor]) -> None:
+        """The next ``step()`` applies ``g = update`` (one tensor per parameter of the table)."""
+        self._staged, self._dense = None, update
 
     def weight_decay(self) -> dict[int, float]:
         return {
@@ -45,11 +70,31 @@ class ZOOptimizer(torch.optim.Optimizer):
         """Apply the staged update, if any (a skipped round stages none)."""
         if closure is not None:
             raise ValueError("ZOOptimizer.step takes no closure: the update is staged by the trainer.")
-        if self._staged is None:
-            self.last_applied = None
+        if self._staged is None and self._dense is None:
             return None
-        lr = self.learning_rate()
-        apply_update(self.table, self._staged, lr, self.weight_decay())
-        self.last_applied = {"lr": lr, "terms": self._staged}
-        self._staged = None
+        lr, decay = self.learning_rate(), self.weight_decay()
+        if self.server == "sgd" and self._dense is None:
+            apply_update(self.table, self._staged, lr, decay)
+        else:
+            for index, param in self.table:
+                g = self._dense[index] if self._dense is not None else combination(param, index, self._staged)
+                if decay.get(index):
+                    param.mul_(1.0 - lr * decay[index])
+                param.add_(self._server_direction(param, g), alpha=-lr)
+        self._staged = self._dense = None
         return None
+
+    def _server_direction(self, param: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if self.server == "sgd":
+            return g
+        h = g * self.local_lr
+        state = self.state[param]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.full_like(param, self.v0)
+            state["max_exp_avg_sq"] = torch.full_like(param, self.v0)
+        b1, b2 = self.betas
+        state["exp_avg"].mul_(b1).add_(h, alpha=1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(h, h, value=1 - b2)
+        torch.maximum(state["max_exp_avg_sq"], state["exp_avg_sq"], out=state["max_exp_avg_sq"])
+        return state["exp_avg"] / (state["max_exp_avg_sq"] + self.eps).sqrt()

@@ -30,9 +30,10 @@ from torch import nn
 _MASK64 = (1 << 64) - 1
 
 
-def direction_seed(zo_seed: int, round_index: int, local_step: int, direction: int) -> int:
-    """Map the seed tuple ``(s, t, l, r)`` to a 63-bit generator seed (SPEC 1.2)."""
-    state = np.random.SeedSequence([zo_seed, round_index, local_step, direction]).generate_state(2, np.uint32)
+def direction_seed(*key: int) -> int:
+    """Map the seed tuple ``(s, t, l, r)`` (``(s, t, l, r, client)`` for per-client directions) to a 63-bit
+    generator seed (SPEC 1.2)."""
+    state = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint32)
     return ((int(state[0]) << 32) | int(state[1])) & (_MASK64 >> 1)
 
 
@@ -135,7 +136,7 @@ def perturbed(table: ParameterTable, terms: Terms):
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             originals.append((name, param))
-            module._parameters[name] = param.detach() + combination(param, index, terms)
+            module._parameters[name] = param + combination(param.detach(), index, terms)  # grads flow to param
         saved[id(module)] = originals
 
     def swap_out(module, _args, _output):

@@ -27,12 +27,12 @@ from .federation import FederatedBatchSampler, Federation, partition_dataset
 from .ledger import LEDGER_NAME, Ledger
 from .losses import client_losses, per_example_loss
 from .optim import ZOOptimizer
-from .perturbation import COUNTER, ParameterTable, direction_seed, perturbed
+from .perturbation import COUNTER, ParameterTable, perturbed
+from .rounds import Protocol, RoundResult, SkipRound, run_round, sanitize, uplink_downlink_scalars
 
 logger = logging.getLogger(__name__)
 
 BYTES_PER_SCALAR = 4  # scalars travel as float32
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 WINDOW_KEYS = (
     "rounds",
     "skipped_rounds",
@@ -43,15 +43,6 @@ WINDOW_KEYS = (
     "omega_rounds",
     "byzantine_values_kept",
 )
-
-
-def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Non-finite entries become the most extreme value (nan, +inf -> +max; -inf -> -max), counted (SPEC 1.6)."""
-    bad = ~torch.isfinite(vectors)
-    if not bad.any():
-        return vectors, 0
-    cleaned = torch.nan_to_num(vectors, nan=FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
-    return cleaned, int(bad.sum())
 
 
 def _dataset_labels(dataset) -> np.ndarray | None:
@@ -67,6 +58,53 @@ def _dataset_labels(dataset) -> np.ndarray | None:
         if isinstance(first, dict) and column in first:
             return np.asarray([int(dataset[i][column]) for i in range(len(dataset))])
     return None
+
+
+class RoundClients:
+    """The round's participants as ``rounds.run_round`` sees them: losses and gradients at given terms."""
+
+    def __init__(self, trainer: ZOByzantineTrainer, model, inputs: dict, participants: np.ndarray):
+        self.trainer, self.model, self.inputs = trainer, model, inputs
+        self.m, self.batch = len(participants), trainer.args.per_device_train_batch_size
+        self.sizes = np.array([len(trainer.federation.partitions[c]) for c in participants], dtype=np.float64)
+        self.rows = torch.arange(self.m, device=trainer.args.device).repeat_interleave(self.batch)
+
+    def client_inputs(self, i: int) -> dict:
+        total = self.m * self.batch
+        return {
+            k: v[i * self.batch : (i + 1) * self.batch] if torch.is_tensor(v) and v.shape[:1] == (total,) else v
+            for k, v in self.inputs.items()
+        }
+
+    def losses(self, terms_per_client: list) -> torch.Tensor:
+        """One batched evaluation when all clients share their terms, else one per client."""
+        first = terms_per_client[0]
+        if all(terms == first for terms in terms_per_client):
+            return self.trainer.client_losses(self.model, self.inputs, self.rows, self.m, first)
+        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+        return torch.cat(
+            [
+                self.trainer.client_losses(self.model, self.client_inputs(i), one, 1, terms)
+                for i, terms in enumerate(terms_per_client)
+            ]
+        )
+
+    def gradients(self, terms_per_client: list):
+        """Each client's backprop gradient of its loss at ``w + sum terms_i`` (one backward per client)."""
+        table, grads, losses = self.trainer.table, [], []
+        for i, terms in enumerate(terms_per_client):
+            chunk = self.client_inputs(i)
+            with torch.enable_grad(), perturbed(table, terms), self.trainer.compute_loss_context_manager():
+                sums, counts = per_example_loss(self.model, self.model(**chunk), chunk.get("labels"))
+                loss = sums.sum() / counts.sum()
+                found = torch.autograd.grad(loss, table.params, allow_unused=True)
+            grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(table.params, found, strict=True)])
+            losses.append(loss.detach())
+        return grads, torch.stack(losses)
+
+    def weights(self) -> np.ndarray:
+        """Data-size weights ``|D_i| / sum_j |D_j|`` over the participants (FedES)."""
+        return self.sizes / self.sizes.sum()
 
 
 class ZOByzantineTrainer(Trainer):
@@ -116,15 +154,43 @@ class ZOByzantineTrainer(Trainer):
                     "weight_decay": 0.0,
                 },
             ]
-            self.optimizer = ZOOptimizer(self.table, [g for g in groups if g["params"]], lr=self.args.learning_rate)
+            zo = self.args
+            self.check_dense_memory()
+            self.optimizer = ZOOptimizer(
+                self.table,
+                [g for g in groups if g["params"]],
+                lr=zo.learning_rate,
+                server=zo.server_optimizer,
+                local_lr=zo.local_learning_rate if zo.local_learning_rate is not None else zo.learning_rate,
+                betas=tuple(zo.server_betas),
+                eps=zo.server_eps,
+                v0=zo.server_v0,
+            )
         if not isinstance(self.optimizer, ZOOptimizer):
             raise TypeError(
                 f"ZOByzantineTrainer applies its updates with ZOOptimizer, got {type(self.optimizer).__name__}."
             )
         self.zo_optimizer, self.table = self.optimizer, self.optimizer.table
         if self.ledger is None:
-            self.ledger = Ledger(self.table, self.zo_optimizer.weight_decay())
+            self.ledger = Ledger(self.zo_optimizer)
         return self.optimizer
+
+    def check_dense_memory(self) -> None:
+        """R^d aggregation (FedAvg, FedZO) holds n x d float64 values: refuse before training if they do not fit."""
+        zo = self.args
+        if zo.estimator != "first_order" and zo.aggregation_space != "parameter":
+            return
+        need = 3 * zo.num_clients * self.table.numel * 8  # vectors, attacked copy, reconstruction
+        limit = zo.dense_memory_limit_gb
+        if limit is None:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30
+        if need > limit * 2**30:
+            raise ValueError(
+                f"Aggregating in R^d (estimator={zo.estimator!r}, aggregation_space={zo.aggregation_space!r}) needs "
+                f"about {need / 2**30:.1f} GiB for n={zo.num_clients} x d={self.table.numel}; "
+                f"dense_memory_limit_gb={limit:.1f}. "
+                "Use aggregation_space='projection' or a smaller model."
+            )
 
     def build_federation(self, dataset) -> Federation:
         """Partition ``dataset`` over the clients (seeded by ``zo_seed``)."""
@@ -189,8 +255,21 @@ class ZOByzantineTrainer(Trainer):
                 counts.append(c)
         return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
 
+    def protocol(self) -> Protocol:
+        zo = self.args
+        local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else self.zo_optimizer.learning_rate()
+        return Protocol(
+            zo.zo_seed,
+            zo.num_perturbations,
+            zo.local_steps,
+            zo.local_update,
+            local_lr,
+            zo.directions,
+            zo.aggregation_space,
+        )
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """One federated round (SPEC 1.4); the update is staged for ``optimizer.step()``."""
+        """One federated round (SPEC 1.4, 1.5); the update is staged for ``optimizer.step()``."""
         zo, t = self.args, self.state.global_step
         inputs = self._prepare_inputs(inputs)
         participants = self.federation.participants(t)
@@ -200,61 +279,64 @@ class ZOByzantineTrainer(Trainer):
                 f"Round {t}: batch of {batch} rows, expected {len(participants)} clients "
                 f"x {zo.per_device_train_batch_size} examples."
             )
-        client_of_example = torch.arange(len(participants), device=zo.device).repeat_interleave(
-            zo.per_device_train_batch_size
-        )
-        seed_tuples = [(zo.zo_seed, t, 1, r) for r in range(zo.num_perturbations)]
-        seeds = [direction_seed(*s) for s in seed_tuples]
         byzantine = torch.as_tensor(self.federation.is_byzantine[participants], device=zo.device)
         if getattr(self.attack, "flips_labels", False) and byzantine.any():
             inputs = self.flip_labels(model, inputs, byzantine.repeat_interleave(zo.per_device_train_batch_size))
+        model.eval()  # the clients' forwards run without dropout, as MeZO's
+        clients = RoundClients(self, model, inputs, participants)
+        lr = self.zo_optimizer.learning_rate()
+        try:
+            with torch.no_grad():
+                result = run_round(
+                    self.protocol(),
+                    self.estimator,
+                    clients,
+                    self.table,
+                    t,
+                    participants,
+                    byzantine,
+                    self.attack,
+                    self.aggregator,
+                    self.set_round,
+                )
+            self.check_overflow(result, lr)
+        except SkipRound as skip:
+            logger.warning("Round %d skipped (%s); the model is left unchanged.", t, skip)
+            self._window["skipped_rounds"] += 1
+            self._window["rounds"] += 1
+            self._window["nonfinite_values"] += skip.result.nonfinite
+            self.ledger.record(t, [], [], lr, skipped=str(skip))
+            loss = skip.result.honest_loss
+            return torch.tensor(float("nan") if loss is None else float(loss), device=zo.device)
+        self._window["nonfinite_values"] += result.nonfinite
+        for aggregate, honest, byz in result.aggregates:
+            self.diagnose(aggregate, honest, byz)
+        if result.dense is not None:
+            self.zo_optimizer.stage_dense(result.dense)
+            self.ledger.record(t, [], [], lr, dense=True)
+        else:
+            self.zo_optimizer.stage(result.terms)
+            self.ledger.record(t, result.seed_tuples, [c for _, c in result.terms], lr)
+        self._window["rounds"] += 1
+        return result.honest_loss.detach().to(device=zo.device, dtype=torch.float32)
+
+    def set_round(self, key: tuple[int, ...]) -> None:
+        """Seeds the round-dependent randomness of the rule (bucketing) and the attack."""
         for part in (self.aggregator, self.attack):
             if hasattr(part, "set_round"):
-                part.set_round((zo.zo_seed, t, 1))
+                part.set_round(key)
 
-        model.eval()  # zeroth-order forwards run without dropout, as MeZO's
-        with torch.no_grad():
-            estimate = self.estimator(
-                lambda terms: self.client_losses(model, inputs, client_of_example, len(participants), terms), seeds
-            )
-        vectors, honest_losses = estimate.vectors, estimate.losses[~byzantine]
-        honest_loss = honest_losses.mean()
-
-        skipped = None
-        if not torch.isfinite(honest_losses).all() or not torch.isfinite(vectors[~byzantine]).all():
-            skipped = "non-finite honest loss"
-        else:
-            honest = vectors[~byzantine]
-            if byzantine.any():
-                vectors = vectors.clone()
-                vectors[byzantine] = self.attack(honest, vectors[byzantine], self.aggregator).to(vectors)
-            vectors, nonfinite = sanitize(vectors)
-            self._window["nonfinite_values"] += nonfinite
-            aggregate = self.aggregator(vectors)
-            if not torch.isfinite(aggregate).all():
-                skipped = "non-finite aggregate"
-            elif self.overflows(aggregate):
-                skipped = "aggregate overflows the parameters' dtype"
-            else:
-                self.diagnose(aggregate, honest, byzantine)
-        lr = self.zo_optimizer.learning_rate()
-        if skipped:
-            logger.warning("Round %d skipped (%s); the model is left unchanged.", t, skipped)
-            self._window["skipped_rounds"] += 1
-            self.ledger.record(t, seed_tuples, [], lr, skipped=skipped)
-        else:
-            coefficients = aggregate.tolist()
-            self.zo_optimizer.stage(list(zip(seeds, coefficients, strict=True)))
-            self.ledger.record(t, seed_tuples, coefficients, lr)
-        self._window["rounds"] += 1
-        return honest_loss.detach().to(device=zo.device, dtype=torch.float32)
-
-    def overflows(self, aggregate: torch.Tensor) -> bool:
-        """Guard: ``lr * sum_r |R[r]| * 10`` (|z| < 10 in practice) above ``sqrt(largest float)`` of the weights'
-        dtype. No honest update is that large; applying it (a non-robust rule fed extreme values) would push
-        the weights towards inf, so the round is skipped and logged instead."""
+    def check_overflow(self, result: RoundResult, lr: float) -> None:
+        """Guard: ``lr * size * 10`` (|z| < 10 in practice) above ``sqrt(largest float)`` of the weights' dtype,
+        with size ``sum |c_k|`` (seeded update) or ``max |g|`` (dense). No honest update is that large;
+        applying it (a non-robust rule fed extreme values) would push the weights towards inf."""
         largest = min(torch.finfo(p.dtype).max for p in self.table.params)
-        return self.zo_optimizer.learning_rate() * float(aggregate.abs().sum()) * 10 >= largest**0.5
+        if result.dense is not None:
+            size = max(float(g.abs().max()) for g in result.dense)
+        else:
+            size = sum(abs(c) for _, c in result.terms)
+        if lr * size * 10 >= largest**0.5:
+            raise SkipRound("aggregate overflows the parameters' dtype", result)
 
     def flip_labels(self, model, inputs: dict, rows: torch.Tensor) -> dict:
         """Label flipping on the Byzantine clients' rows: ``y -> C - 1 - y`` (ignored labels kept)."""
@@ -283,19 +365,17 @@ class ZOByzantineTrainer(Trainer):
     # ----- logs, communication, checkpoints ---------------------------------------------------
 
     def communication(self) -> dict[str, float]:
-        """Scalars and bytes per client per round (up: nu, down: nu), beside dense FedAvg (d each way)."""
-        zo, d = self.args, self.table.numel
-        scalars = zo.local_steps * zo.num_perturbations
-        clients = self.federation.clients_per_round
-        rounds = self.state.global_step
+        """Scalars and bytes per client per round, cumulative bytes, beside dense FedAvg (d each way)."""
+        d, clients, rounds = self.table.numel, self.federation.clients_per_round, self.state.global_step
+        up, down = uplink_downlink_scalars(self.protocol(), self.estimator, d, clients)
         return {
-            "uplink_scalars_per_client": scalars,
-            "uplink_bytes_per_client": scalars * BYTES_PER_SCALAR,
-            "downlink_scalars_per_client": scalars,
-            "downlink_bytes_per_client": scalars * BYTES_PER_SCALAR,
+            "uplink_scalars_per_client": up,
+            "uplink_bytes_per_client": up * BYTES_PER_SCALAR,
+            "downlink_scalars_per_client": down,
+            "downlink_bytes_per_client": down * BYTES_PER_SCALAR,
             "fedavg_bytes_per_client": d * BYTES_PER_SCALAR,
-            "uplink_bytes_total": rounds * clients * scalars * BYTES_PER_SCALAR,
-            "downlink_bytes_total": rounds * clients * scalars * BYTES_PER_SCALAR,
+            "uplink_bytes_total": rounds * clients * up * BYTES_PER_SCALAR,
+            "downlink_bytes_total": rounds * clients * down * BYTES_PER_SCALAR,
             "fedavg_uplink_bytes_total": rounds * clients * d * BYTES_PER_SCALAR,
         }
 
