@@ -28,8 +28,8 @@ def _fail(rule: str, message: str, n: int, b: int) -> None:
 
 
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
-    diff = vectors[:, None, :] - vectors[None, :, :]
-    return (diff * diff).sum(-1)
+    """``D[i, j] = ||v_i - v_j||^2`` (direct differences, no n x n x d buffer, no Gram-matrix cancellation)."""
+    return torch.cdist(vectors, vectors, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
 
 
 def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:

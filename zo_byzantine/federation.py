@@ -118,20 +118,22 @@ class Federation:
 
     def _stream(self, client: int, positions: np.ndarray) -> np.ndarray:
         part = self.partitions[client]
+        passes, within = np.divmod(positions, len(part))
         out = np.empty(len(positions), dtype=np.int64)
-        for i, pos in enumerate(positions):
-            key = (client, int(pos) // len(part))
+        for p in np.unique(passes):
+            key = (client, int(p))
             if key not in self._perms:
                 if len(self._perms) > 4 * self.num_clients:
                     self._perms.clear()
                 self._perms[key] = part[_rng(self.seed, 0xDA7A, client, key[1]).permutation(len(part))]
-            out[i] = self._perms[key][pos % len(part)]
+            chosen = passes == p
+            out[chosen] = self._perms[key][within[chosen]]
         return out
 
     def round_indices(self, round_index: int) -> list[int]:
         """Dataset indices of round ``t``: ``batch_size`` per participant, participants in order."""
         positions = np.arange(round_index * self.batch_size, (round_index + 1) * self.batch_size)
-        return [int(i) for c in self.participants(round_index) for i in self._stream(int(c), positions)]
+        return np.concatenate([self._stream(int(c), positions) for c in self.participants(round_index)]).tolist()
 
     @property
     def total_examples(self) -> int:

@@ -51,6 +51,33 @@ def per_example_loss(model: nn.Module, outputs, labels: torch.Tensor | None):
     )
 
 
+class PerExampleForward:
+    """``(sums, counts)`` of one forward. Labels are kept out of the model call when the model returns
+    logits without them (the model's own mean loss would be computed and thrown away); models that
+    need labels to return a per-example ``loss`` get them. Decided at the first call."""
+
+    def __init__(self):
+        self.pass_labels: bool | None = None
+
+    def __call__(self, model: nn.Module, inputs: dict):
+        labels = inputs.get("labels")
+        if labels is not None and self.pass_labels is not True:
+            try:
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            except TypeError:
+                outputs = None
+            logits = (
+                None
+                if outputs is None
+                else (outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None))
+            )
+            if logits is not None:
+                self.pass_labels = False
+                return per_example_loss(model, outputs, labels)
+            self.pass_labels = True
+        return per_example_loss(model, model(**inputs), labels)
+
+
 def client_losses(sums: torch.Tensor, counts: torch.Tensor, client_of_example: torch.Tensor, num_clients: int):
     """Each client's mean loss: ``sum of its sums / sum of its counts`` (float64)."""
     total = torch.zeros(num_clients, dtype=torch.float64, device=sums.device).index_add_(0, client_of_example, sums)

@@ -191,8 +191,12 @@ def _run_round(result, p, estimator, clients, table, t, client_ids, byzantine, a
     offsets: list[dict] = [{} for _ in range(m)]  # client's local model: {seed: coefficient}
     steps = []  # (seed tuples per client, seeds per client, vectors)
     for l in range(1, p.local_steps + 1):
-        keys = [[key(l, r, c) for r in range(p.num_perturbations)] for c in client_ids]
-        seeds = [[direction_seed(*k) for k in row] for row in keys]
+        if p.directions == "per_client":
+            keys = [[key(l, r, c) for r in range(p.num_perturbations)] for c in client_ids]
+            seeds = [[direction_seed(*k) for k in row] for row in keys]
+        else:  # one row shared by every client
+            keys = [[key(l, r, None) for r in range(p.num_perturbations)]] * m
+            seeds = [[direction_seed(*k) for k in keys[0]]] * m
         oracle = Oracle(clients, table, seeds, [list(o.items()) for o in offsets])
         estimate = estimator(oracle, p.num_perturbations)
         honest_losses = estimate.losses[~byzantine]

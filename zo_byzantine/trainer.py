@@ -25,7 +25,7 @@ from .attacks import build_attack
 from .estimators import ESTIMATORS
 from .federation import FederatedBatchSampler, Federation, partition_dataset
 from .ledger import LEDGER_NAME, Ledger
-from .losses import client_losses, per_example_loss
+from .losses import PerExampleForward, client_losses, per_example_loss
 from .optim import ZOOptimizer
 from .perturbation import COUNTER, ParameterTable, perturbed
 from .rounds import Protocol, RoundResult, SkipRound, run_round, sanitize, uplink_downlink_scalars
@@ -132,6 +132,7 @@ class ZOByzantineTrainer(Trainer):
         self.table: ParameterTable | None = None
         self.zo_optimizer: ZOOptimizer | None = None
         self.ledger: Ledger | None = None
+        self.forward_per_example = PerExampleForward()
         self._window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._drawn_at_log = COUNTER.drawn
 
@@ -250,7 +251,7 @@ class ZOByzantineTrainer(Trainer):
         sums, counts = [], []
         with perturbed(self.table, terms), self.compute_loss_context_manager():
             for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
-                s, c = per_example_loss(model, model(**chunk), chunk.get("labels"))
+                s, c = self.forward_per_example(model, chunk)
                 sums.append(s)
                 counts.append(c)
         return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
