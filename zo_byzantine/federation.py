@@ -130,10 +130,17 @@ class Federation:
             out[chosen] = self._perms[key][within[chosen]]
         return out
 
-    def round_indices(self, round_index: int) -> list[int]:
-        """Dataset indices of round ``t``: ``batch_size`` per participant, participants in order."""
+    def share(self, rank: int = 0, world: int = 1) -> slice:
+        """Positions (in ``participants(t)``) of the clients that process ``rank`` of ``world`` evaluates."""
+        sizes = [len(a) for a in np.array_split(np.arange(self.clients_per_round), world)]
+        start = sum(sizes[:rank])
+        return slice(start, start + sizes[rank])
+
+    def round_indices(self, round_index: int, share: slice = slice(None)) -> list[int]:
+        """Dataset indices of round ``t``: ``batch_size`` per participant (of ``share``), participants in order."""
         positions = np.arange(round_index * self.batch_size, (round_index + 1) * self.batch_size)
-        return np.concatenate([self._stream(int(c), positions) for c in self.participants(round_index)]).tolist()
+        clients = self.participants(round_index)[share]
+        return np.concatenate([self._stream(int(c), positions) for c in clients]).tolist()
 
     @property
     def total_examples(self) -> int:
@@ -141,14 +148,15 @@ class Federation:
 
 
 class FederatedBatchSampler(torch.utils.data.Sampler):
-    """Yields round ``t = epoch * len(self) + i`` as one batch of every participant's examples.
+    """Yields round ``t = epoch * len(self) + i`` as one batch of every participant's examples (of this
+    process's share when the clients are spread over several processes).
 
     An epoch is ``ceil(N / (clients_per_round * B))`` rounds: about one pass over the data.
     """
 
-    def __init__(self, federation: Federation):
-        self.federation = federation
-        self.epoch = 0
+    def __init__(self, federation: Federation, rank: int = 0, world: int = 1):
+        self.federation, self.epoch = federation, 0
+        self.share = federation.share(rank, world)  # this process's clients of every round
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -159,4 +167,4 @@ class FederatedBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         for i in range(len(self)):
-            yield self.federation.round_indices(self.epoch * len(self) + i)
+            yield self.federation.round_indices(self.epoch * len(self) + i, self.share)

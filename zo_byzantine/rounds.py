@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .estimators import FirstOrder
@@ -72,6 +73,7 @@ def robust_aggregate(vectors: torch.Tensor, byzantine: torch.Tensor, attack, rul
     """Byzantine rows replaced by the attack, non-finite values sanitised, then ``R(vectors)``.
 
     Returns ``(R, honest vectors, number of non-finite values, vectors as received)``."""
+    byzantine = byzantine.to(vectors.device)
     honest = vectors[~byzantine]
     if not torch.isfinite(honest).all():
         raise SkipRound("non-finite honest estimate")
@@ -170,13 +172,17 @@ def run_round(
 
 
 def _run_round(result, p, estimator, clients, table, t, client_ids, byzantine, attack, rule, set_round):
-    m = len(client_ids)
+    """``clients`` evaluates its share ``clients.local`` of the participants (all of them in one process);
+    ``clients.gather`` assembles per-client rows from every process, so that every process aggregates the
+    same vectors and applies the same update."""
+    local_ids = np.asarray(client_ids)[clients.local]
     if isinstance(estimator, FirstOrder):
-        grads, losses = clients.gradients([[] for _ in range(m)])
+        grads, losses = clients.gradients([[] for _ in local_ids])
+        losses = clients.gather(losses)
         result.honest_loss = losses[~byzantine].mean()
         if not torch.isfinite(losses[~byzantine]).all():
             raise SkipRound("non-finite honest loss")
-        vectors = torch.stack([torch.cat([g.flatten().double() for g in gs]) for gs in grads])
+        vectors = clients.gather(torch.stack([torch.cat([g.flatten().double() for g in gs]) for gs in grads]))
         if set_round:
             set_round((p.zo_seed, t, 1))
         aggregate, honest, result.nonfinite, _ = robust_aggregate(vectors, byzantine, attack, rule)
@@ -184,53 +190,56 @@ def _run_round(result, p, estimator, clients, table, t, client_ids, byzantine, a
         result.dense = unflatten(table, aggregate)
         return result
 
-    def key(l, r, client):
-        step = 1 if p.local_update == "biased" else l
-        return (p.zo_seed, t, step, r) + ((int(client),) if p.directions == "per_client" else ())
-
-    offsets: list[dict] = [{} for _ in range(m)]  # client's local model: {seed: coefficient}
-    steps = []  # (seed tuples per client, seeds per client, vectors)
-    for l in range(1, p.local_steps + 1):
+    def keys(step: int, ids) -> list[list[tuple]]:
+        """Seed tuples per client: (s, t, l, r), or (s, t, l, r, client) for per-client directions."""
+        step = 1 if p.local_update == "biased" and step > 0 else step
         if p.directions == "per_client":
-            keys = [[key(l, r, c) for r in range(p.num_perturbations)] for c in client_ids]
-            seeds = [[direction_seed(*k) for k in row] for row in keys]
-        else:  # one row shared by every client
-            keys = [[key(l, r, None) for r in range(p.num_perturbations)]] * m
-            seeds = [[direction_seed(*k) for k in keys[0]]] * m
-        oracle = Oracle(clients, table, seeds, [list(o.items()) for o in offsets])
-        estimate = estimator(oracle, p.num_perturbations)
-        honest_losses = estimate.losses[~byzantine]
+            return [[(p.zo_seed, t, step, r, int(c)) for r in range(p.num_perturbations)] for c in ids]
+        return [[(p.zo_seed, t, step, r) for r in range(p.num_perturbations)]] * len(ids)
+
+    def seeds_of(rows: list[list[tuple]]) -> list[list[int]]:
+        if p.directions == "per_client":
+            return [[direction_seed(*k) for k in row] for row in rows]
+        return [[direction_seed(*k) for k in rows[0]]] * len(rows)
+
+    offsets: list[dict] = [{} for _ in local_ids]  # each local client's local model: {seed: coefficient}
+    steps = []  # (step l, this process's vectors)
+    for l in range(1, p.local_steps + 1):
+        seeds = seeds_of(keys(l, local_ids))
+        estimate = estimator(Oracle(clients, table, seeds, [list(o.items()) for o in offsets]), p.num_perturbations)
         if l == 1:
-            result.honest_loss = honest_losses.mean()
-        if not torch.isfinite(honest_losses).all():
-            raise SkipRound("non-finite honest loss")
-        steps.append((keys, seeds, estimate.vectors))
+            losses = clients.gather(estimate.losses)
+            result.honest_loss = losses[~byzantine].mean()
+            if not torch.isfinite(losses[~byzantine]).all():
+                raise SkipRound("non-finite honest loss")
+        steps.append((l, estimate.vectors))
         if l < p.local_steps:  # local ZO-SGD step: w_i <- w_i - local_lr sum_r v_i[r] z_{i,r}
-            for i in range(m):
+            for i in range(len(local_ids)):
                 for s, v in zip(seeds[i], estimate.vectors[i].tolist(), strict=True):
                     offsets[i][s] = offsets[i].get(s, 0.0) - p.local_lr * v
 
     if p.local_update == "biased":
-        uplinks = [(steps[0][0], steps[0][1], sum(v for _, _, v in steps))]
+        uplinks = [(1, sum(v for _, v in steps))]
     elif p.local_update == "compressed":
-        keys0 = [(p.zo_seed, t, 0, r) for r in range(p.num_perturbations)]
-        seeds0 = [direction_seed(*k) for k in keys0]
-        step_seeds = [s for _, seeds, _ in steps for s in seeds[0]]
+        step_seeds = [s for l, _ in steps for s in seeds_of(keys(l, [0]))[0]]  # shared directions
+        seeds0 = seeds_of(keys(0, [0]))[0]
         projection = gram(table, seeds0, step_seeds) / p.num_perturbations  # (1/nu) Z_t^T Z_l
-        stacked = torch.cat([v for _, _, v in steps], dim=1)  # m x K nu
-        uplinks = [([keys0] * m, [seeds0] * m, stacked @ projection.T)]
+        uplinks = [(0, torch.cat([v for _, v in steps], dim=1) @ projection.T)]  # m x K nu -> m x nu
     else:
         uplinks = steps
 
     dense = None
-    for index, (keys, seeds, vectors) in enumerate(uplinks):
+    for index, (step, local_vectors) in enumerate(uplinks):
+        vectors = clients.gather(local_vectors)
+        rows = keys(step, client_ids)
+        seeds = seeds_of(rows)
         if set_round:
             set_round((p.zo_seed, t, index + 1))
         if p.directions == "per_client":  # FedES: bases differ by client; weighted sum of scalars
             aggregate, honest, nonfinite, sent = robust_aggregate(vectors, byzantine, attack, rule)
             weights = clients.weights()
-            for i in range(m):
-                for k, s, v in zip(keys[i], seeds[i], sent[i].tolist(), strict=True):
+            for i in range(len(client_ids)):
+                for k, s, v in zip(rows[i], seeds[i], sent[i].tolist(), strict=True):
                     result.terms.append((s, weights[i] * v))
                     result.seed_tuples.append(k)
         elif p.aggregation_space == "parameter":  # FedZO: the rule runs on reconstructed R^d estimates
@@ -240,7 +249,7 @@ def _run_round(result, p, estimator, clients, table, t, client_ids, byzantine, a
         else:
             aggregate, honest, nonfinite, _ = robust_aggregate(vectors, byzantine, attack, rule)
             result.terms += list(zip(seeds[0], aggregate.tolist(), strict=True))
-            result.seed_tuples += keys[0]
+            result.seed_tuples += rows[0]
         result.nonfinite += nonfinite
         result.aggregates.append((aggregate, honest, byzantine))
     if dense is not None:

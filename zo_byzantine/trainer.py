@@ -64,10 +64,23 @@ class RoundClients:
     """The round's participants as ``rounds.run_round`` sees them: losses and gradients at given terms."""
 
     def __init__(self, trainer: ZOByzantineTrainer, model, inputs: dict, participants: np.ndarray):
+        args = trainer.args
         self.trainer, self.model, self.inputs = trainer, model, inputs
-        self.m, self.batch = len(participants), trainer.args.per_device_train_batch_size
+        self.local = trainer.federation.share(args.process_index, args.world_size)  # this process's clients
+        self.shares = [trainer.federation.share(r, args.world_size) for r in range(args.world_size)]
+        self.m, self.batch = len(participants[self.local]), args.per_device_train_batch_size
         self.sizes = np.array([len(trainer.federation.partitions[c]) for c in participants], dtype=np.float64)
-        self.rows = torch.arange(self.m, device=trainer.args.device).repeat_interleave(self.batch)
+        self.rows = torch.arange(self.m, device=args.device).repeat_interleave(self.batch)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-client rows of every process, in participant order (identity in one process)."""
+        if len(self.shares) == 1:
+            return rows
+        width = max(s.stop - s.start for s in self.shares)
+        padded = torch.zeros((width, *rows.shape[1:]), dtype=rows.dtype, device=self.trainer.args.device)
+        padded[: len(rows)] = rows
+        gathered = self.trainer.accelerator.gather(padded).view(len(self.shares), width, *rows.shape[1:])
+        return torch.cat([gathered[r, : s.stop - s.start] for r, s in enumerate(self.shares)]).cpu()
 
     def client_inputs(self, i: int) -> dict:
         total = self.m * self.batch
@@ -77,17 +90,16 @@ class RoundClients:
         }
 
     def losses(self, terms_per_client: list) -> torch.Tensor:
-        """One batched evaluation when all clients share their terms, else one per client."""
+        """One batched evaluation when all clients share their terms, else one per client (float64, on CPU)."""
         first = terms_per_client[0]
         if all(terms == first for terms in terms_per_client):
-            return self.trainer.client_losses(self.model, self.inputs, self.rows, self.m, first)
+            return self.trainer.client_losses(self.model, self.inputs, self.rows, self.m, first).cpu()
         one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-        return torch.cat(
-            [
-                self.trainer.client_losses(self.model, self.client_inputs(i), one, 1, terms)
-                for i, terms in enumerate(terms_per_client)
-            ]
-        )
+        each = [
+            self.trainer.client_losses(self.model, self.client_inputs(i), one, 1, terms)
+            for i, terms in enumerate(terms_per_client)
+        ]
+        return torch.cat(each).cpu()
 
     def gradients(self, terms_per_client: list):
         """Each client's backprop gradient of its loss at ``w + sum terms_i`` (one backward per client)."""
@@ -100,7 +112,7 @@ class RoundClients:
                 found = torch.autograd.grad(loss, table.params, allow_unused=True)
             grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(table.params, found, strict=True)])
             losses.append(loss.detach())
-        return grads, torch.stack(losses)
+        return grads, torch.stack(losses).double().cpu()
 
     def weights(self) -> np.ndarray:
         """Data-size weights ``|D_i| / sum_j |D_j|`` over the participants (FedES)."""
@@ -120,8 +132,16 @@ class ZOByzantineTrainer(Trainer):
         zo = self.args
         if not isinstance(zo, ZOByzantineArguments):
             raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(zo).__name__}.")
-        if zo.world_size > 1 or zo.n_gpu > 1:
-            raise ValueError("ZOByzantineTrainer runs in one process on one device for now (world_size=1, n_gpu<=1).")
+        if zo.n_gpu > 1:
+            raise ValueError(
+                "ZOByzantineTrainer uses one device per process: launch one process per GPU "
+                "(accelerate launch / torchrun) instead of DataParallel (n_gpu > 1)."
+            )
+        if (zo.clients_per_round or zo.num_clients) < zo.world_size:
+            raise ValueError(
+                f"clients_per_round={zo.clients_per_round or zo.num_clients} must be >= the number of "
+                f"processes ({zo.world_size}): each process evaluates a share of the clients."
+            )
         n, b = zo.num_clients, zo.num_byzantine
         self.aggregator = build_aggregator(
             aggregator or zo.aggregator, n, b, zo.pre_aggregators, **zo.aggregator_kwargs
@@ -226,14 +246,20 @@ class ZOByzantineTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
+        sampler = FederatedBatchSampler(self.federation, self.args.process_index, self.args.world_size)
         loader = DataLoader(
             dataset,
-            batch_sampler=FederatedBatchSampler(self.federation),
+            batch_sampler=sampler,
             collate_fn=collator,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
         )
-        return self.accelerator.prepare(loader)
+        prepared = self.accelerator.prepare(loader)
+        # the sampler already gives each process its share of the clients: make accelerate's shard a passthrough
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
 
     # ----- one round --------------------------------------------------------------------------
 
@@ -275,16 +301,19 @@ class ZOByzantineTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         participants = self.federation.participants(t)
         batch = next(v.shape[0] for v in inputs.values() if torch.is_tensor(v))
-        if batch != len(participants) * zo.per_device_train_batch_size:
+        model = self.accelerator.unwrap_model(model)  # no DDP: processes exchange per-client scalars, not grads
+        byzantine = torch.as_tensor(self.federation.is_byzantine[participants])
+        clients = RoundClients(self, model, inputs, participants)
+        if batch != clients.m * zo.per_device_train_batch_size:
             raise RuntimeError(
-                f"Round {t}: batch of {batch} rows, expected {len(participants)} clients "
+                f"Round {t}: batch of {batch} rows, expected {clients.m} clients "
                 f"x {zo.per_device_train_batch_size} examples."
             )
-        byzantine = torch.as_tensor(self.federation.is_byzantine[participants], device=zo.device)
-        if getattr(self.attack, "flips_labels", False) and byzantine.any():
-            inputs = self.flip_labels(model, inputs, byzantine.repeat_interleave(zo.per_device_train_batch_size))
+        local_byzantine = byzantine[clients.local].to(zo.device)
+        if getattr(self.attack, "flips_labels", False) and local_byzantine.any():
+            rows = local_byzantine.repeat_interleave(zo.per_device_train_batch_size)
+            clients.inputs = self.flip_labels(model, inputs, rows)
         model.eval()  # the clients' forwards run without dropout, as MeZO's
-        clients = RoundClients(self, model, inputs, participants)
         lr = self.zo_optimizer.learning_rate()
         try:
             with torch.no_grad():
