@@ -50,6 +50,9 @@ def main():
         },
         os.path.join(out, f"rank{rank}.pt"),
     )
+    if torch.distributed.is_initialized():  # a clean exit: gloo threads left running can abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from .optim import SERVER_OPTIMIZERS
 LOCAL_UPDATES = ("unbiased", "biased", "compressed")
 DIRECTIONS = ("shared", "per_client")
 AGGREGATION_SPACES = ("projection", "parameter")
+SCHEDULES = ("auto", "antithetic", "two_forwards", "cached")
 BYZANTINE_SELECTIONS = ("first", "random")
 
 
@@ -48,6 +49,11 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+        zo_schedule (`str`, defaults to `"auto"`): how a two-point estimate is evaluated. `"antithetic"`: one
+            forward of the doubled batch, each module drawing its `z` once for `+mu` and `-mu` (2 generator
+            passes per direction with the update); `"two_forwards"`: two forwards (3 passes); `"cached"`: two
+            forwards, `z` kept between them (2 passes, d extra floats); `"auto"`: antithetic, checked against two
+            forwards at the first round, else two forwards.
         local_learning_rate (`float`, *optional*): step of the clients' local ZO-SGD steps; defaults to `learning_rate`.
         directions (`str`, defaults to `"shared"`): `"shared"` (FedByZO) or `"per_client"` (FedES, paper 001).
         aggregation_space (`str`, defaults to `"projection"`): rules on R^nu vectors, or `"parameter"` on the
@@ -79,6 +85,7 @@ class ZOByzantineArguments(TrainingArguments):
     local_update: str = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
+    zo_schedule: str = field(default="auto", metadata={"help": "auto, antithetic, two_forwards or cached."})
     local_learning_rate: float | None = field(default=None, metadata={"help": "Local ZO-SGD step; lr if unset."})
     directions: str = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
     aggregation_space: str = field(default="projection", metadata={"help": "projection (R^nu) or parameter (R^d)."})
@@ -133,6 +140,7 @@ class ZOByzantineArguments(TrainingArguments):
         if self.local_steps < 1:
             raise ValueError(f"local_steps={self.local_steps} must be >= 1.")
         _choice("directions", self.directions, DIRECTIONS)
+        _choice("zo_schedule", self.zo_schedule, SCHEDULES)
         _choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
         _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         if self.local_learning_rate is not None and self.local_learning_rate < 0:

@@ -3,6 +3,7 @@
 An estimator takes an oracle and ``nu`` and returns every client's vector
 ``v_i = (1/nu) (g_i[1], ..., g_i[nu])`` in R^nu. The oracle evaluates all clients at once:
 ``oracle.loss(r, c)`` is the loss of each client at ``w_i + c z_{i,r}`` (``r=None``: at ``w_i``),
+``oracle.loss_pair(r, mu)`` the losses at ``w_i + mu z`` and ``w_i - mu z`` (the schedule decides how),
 ``oracle.grad_dot(r)`` is ``<grad F_i(w_i), z_{i,r}>`` by backprop.
 
 - ``two_point``:           ``g = (F(w + mu z) - F(w - mu z)) / (2 mu)``   (2 forwards per direction)
@@ -42,7 +43,7 @@ class TwoPoint:
     def __call__(self, oracle, num_directions: int) -> Estimate:
         columns, losses = [], 0.0
         for r in range(num_directions):
-            plus, minus = oracle.loss(r, self.mu), oracle.loss(r, -self.mu)
+            plus, minus = oracle.loss_pair(r, self.mu)
             columns.append((plus - minus) / (2 * self.mu))
             losses = losses + (plus + minus) / 2
         return Estimate(torch.stack(columns, dim=1) / num_directions, losses / num_directions)

@@ -21,6 +21,7 @@ the only extra memory is one module's perturbed parameters at a time.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -69,11 +70,18 @@ def gaussian_like(param: torch.Tensor, seed: int, index: int) -> torch.Tensor:
 Terms = Sequence[tuple[int, float]]  # (direction seed, coefficient) pairs: sum_k c_k z_k
 
 
-def combination(param: torch.Tensor, index: int, terms: Terms) -> torch.Tensor:
-    """``sum_k c_k z_k[index]`` for the (direction seed, coefficient) pairs in ``terms``."""
+def combination(param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
+    """``sum_k c_k z_k[index]`` for the (direction seed, coefficient) pairs in ``terms``.
+
+    With ``cache`` (a dict), each ``z_k[index]`` is drawn once and kept there for later calls."""
     total = None
     for seed, coeff in terms:
-        z = gaussian_like(param, seed, index)
+        if cache is None:
+            z = gaussian_like(param, seed, index)
+        else:
+            if (seed, index) not in cache:
+                cache[(seed, index)] = gaussian_like(param, seed, index)
+            z = cache[(seed, index)].clone()
         if total is None:
             total = z.mul_(coeff)
         else:
@@ -119,11 +127,11 @@ class ParameterTable:
 
 
 @contextlib.contextmanager
-def perturbed(table: ParameterTable, terms: Terms):
+def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
     """Within the block, forwards of the table's model compute ``F(w + sum_k c_k z_k)``.
 
     Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
-    while it runs. With no terms, the block is a plain forward.
+    while it runs. With no terms, the block is a plain forward. ``cache``: see :func:`combination`.
     """
     if not terms:
         yield
@@ -136,7 +144,7 @@ def perturbed(table: ParameterTable, terms: Terms):
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             originals.append((name, param))
-            module._parameters[name] = param + combination(param.detach(), index, terms)  # grads flow to param
+            module._parameters[name] = param + combination(param.detach(), index, terms, cache)  # grads flow
         saved[id(module)] = originals
 
     def swap_out(module, _args, _output):
@@ -175,3 +183,89 @@ def apply_update(
             param.mul_(1.0 - lr * decay)
         if terms:
             param.add_(combination(param, index, terms), alpha=-lr)
+
+
+_HALF = threading.local()  # sign of the half an enclosing owner module is running (nested owners)
+
+
+def _split(value, n: int, part: int):
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
+        return value[: n // 2] if part == 0 else value[n // 2 :]
+    return value
+
+
+def _concat(first, second):
+    if torch.is_tensor(first):
+        return torch.cat([first, second])
+    if first is None:
+        return None
+    if isinstance(first, tuple | list):
+        return type(first)(_concat(a, b) for a, b in zip(first, second, strict=True))
+    if isinstance(first, dict):
+        return type(first)({k: _concat(first[k], second[k]) for k in first})
+    raise TypeError(f"antithetic forward cannot join outputs of type {type(first).__name__}")
+
+
+@contextlib.contextmanager
+def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float):
+    """Forwards of a doubled batch ``[x; x]``: the first half is evaluated at ``w + base + mu z``, the
+    second at ``w + base - mu z``, and each owning module draws its ``z`` once for both halves (one
+    generator pass for the two evaluations of a two-point estimate).
+
+    Each owning module runs its own forward once per half (inputs whose first dimension is the doubled
+    batch are split, outputs concatenated). This assumes that modules keep the batch as the leading
+    dimension of their inputs; the trainer checks the result against two plain forwards once.
+    """
+    owned_by = {id(module): owned for module, owned in table.owners}
+
+    def wrap(module, forward):
+        def split_forward(*args, **kwargs):
+            sign = getattr(_HALF, "sign", None)
+            shifts = []
+            for name, index in owned_by[id(module)]:
+                param = module._parameters[name]
+                z = gaussian_like(param.detach(), seed, index)
+                offset = combination(param.detach(), index, base) if base else None
+                shifts.append((name, param, z, offset))
+
+            def set_half(s: float):
+                for name, param, z, offset in shifts:
+                    delta = z.mul(s * mu) if offset is None else offset.clone().add_(z, alpha=s * mu)
+                    module._parameters[name] = param + delta
+
+            try:
+                if sign is not None:  # called inside an enclosing owner's half: no second split
+                    set_half(sign)
+                    return forward(*args, **kwargs)
+                n = next(v.shape[0] for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0)
+                halves = []
+                for part, s in enumerate((1.0, -1.0)):
+                    set_half(s)
+                    _HALF.sign = s
+                    try:
+                        halves.append(
+                            forward(
+                                *[_split(a, n, part) for a in args],
+                                **{k: _split(v, n, part) for k, v in kwargs.items()},
+                            )
+                        )
+                    finally:
+                        _HALF.sign = None
+                return _concat(*halves)
+            finally:
+                for name, param, _, _ in shifts:
+                    module._parameters[name] = param
+
+        return split_forward
+
+    previous = {id(module): module.__dict__.get("forward") for module, _ in table.owners}  # e.g. accelerate's
+    try:
+        for module, _ in table.owners:
+            module.forward = wrap(module, module.forward)
+        yield
+    finally:
+        for module, _ in table.owners:
+            if previous[id(module)] is not None:
+                module.forward = previous[id(module)]
+            elif "forward" in module.__dict__:
+                del module.forward

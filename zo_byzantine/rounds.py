@@ -98,6 +98,10 @@ class Oracle:
         extra = [[] if r is None else [(seeds[r], coeff)] for seeds in self.seeds]
         return self.clients.losses([offset + e for offset, e in zip(self.offsets, extra, strict=True)])
 
+    def loss_pair(self, r: int, mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses at ``w_i + mu z_{i,r}`` and ``w_i - mu z_{i,r}``."""
+        return self.clients.loss_pair(self.offsets, [seeds[r] for seeds in self.seeds], mu)
+
     def _grads(self):
         if self._gradients is None:
             self._gradients = self.clients.gradients(self.offsets)

@@ -27,7 +27,7 @@ from .federation import FederatedBatchSampler, Federation, partition_dataset
 from .ledger import LEDGER_NAME, Ledger
 from .losses import PerExampleForward, client_losses, per_example_loss
 from .optim import ZOOptimizer
-from .perturbation import COUNTER, ParameterTable, perturbed
+from .perturbation import COUNTER, ParameterTable, antithetic, perturbed
 from .rounds import Protocol, RoundResult, SkipRound, run_round, sanitize, uplink_downlink_scalars
 
 logger = logging.getLogger(__name__)
@@ -89,17 +89,39 @@ class RoundClients:
             for k, v in self.inputs.items()
         }
 
-    def losses(self, terms_per_client: list) -> torch.Tensor:
+    def losses(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
         """One batched evaluation when all clients share their terms, else one per client (float64, on CPU)."""
         first = terms_per_client[0]
         if all(terms == first for terms in terms_per_client):
-            return self.trainer.client_losses(self.model, self.inputs, self.rows, self.m, first).cpu()
+            return self.trainer.client_losses(self.model, self.inputs, self.rows, self.m, first, cache).cpu()
         one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
         each = [
-            self.trainer.client_losses(self.model, self.client_inputs(i), one, 1, terms)
+            self.trainer.client_losses(self.model, self.client_inputs(i), one, 1, terms, cache)
             for i, terms in enumerate(terms_per_client)
         ]
         return torch.cat(each).cpu()
+
+    def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses at ``w_i + offset_i +- mu z_i`` with the trainer's schedule (``zo_schedule``)."""
+        schedule = self.trainer.zo_schedule
+        if schedule == "auto":
+            schedule = self.trainer.choose_schedule(self, offsets, seeds, mu)
+        if schedule == "antithetic":
+            shared = all(o == offsets[0] for o in offsets) and len(set(seeds)) == 1
+            if shared:
+                return self.trainer.client_losses_antithetic(
+                    self.model, self.inputs, self.rows, self.m, offsets[0], seeds[0], mu
+                )
+            one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+            pairs = [
+                self.trainer.client_losses_antithetic(self.model, self.client_inputs(i), one, 1, o, s, mu)
+                for i, (o, s) in enumerate(zip(offsets, seeds, strict=True))
+            ]
+            return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
+        cache = {} if schedule == "cached" else None  # z drawn once, kept (d floats) for the second forward
+        plus = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
+        minus = self.losses([o + [(s, -mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
+        return plus, minus
 
     def gradients(self, terms_per_client: list):
         """Each client's backprop gradient of its loss at ``w + sum terms_i`` (one backward per client)."""
@@ -153,6 +175,7 @@ class ZOByzantineTrainer(Trainer):
         self.zo_optimizer: ZOOptimizer | None = None
         self.ledger: Ledger | None = None
         self.forward_per_example = PerExampleForward()
+        self.zo_schedule = zo.zo_schedule
         self._window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._drawn_at_log = COUNTER.drawn
 
@@ -272,15 +295,49 @@ class ZOByzantineTrainer(Trainer):
                 for k, v in inputs.items()
             }
 
-    def client_losses(self, model, inputs, client_of_example, num_clients, terms) -> torch.Tensor:
+    def client_losses(self, model, inputs, client_of_example, num_clients, terms, cache=None) -> torch.Tensor:
         """Loss of each client at ``w + sum_k c_k z_k``: batched forwards over all clients' examples."""
         sums, counts = [], []
-        with perturbed(self.table, terms), self.compute_loss_context_manager():
+        with perturbed(self.table, terms, cache), self.compute_loss_context_manager():
             for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
                 s, c = self.forward_per_example(model, chunk)
                 sums.append(s)
                 counts.append(c)
         return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
+
+    def client_losses_antithetic(self, model, inputs, client_of_example, num_clients, base, seed, mu):
+        """Losses at ``w + base + mu z`` and ``w + base - mu z`` from forwards of doubled batches ``[x; x]``."""
+        halves = [[], [], [], []]  # plus sums, plus counts, minus sums, minus counts
+        with antithetic(self.table, base, seed, mu), self.compute_loss_context_manager():
+            for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
+                n = next(v.shape[0] for v in chunk.values() if torch.is_tensor(v))
+                doubled = {
+                    k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v for k, v in chunk.items()
+                }
+                s, c = self.forward_per_example(model, doubled)
+                for store, value in zip(halves, (s[:n], c[:n], s[n:], c[n:]), strict=True):
+                    store.append(value)
+        plus = client_losses(torch.cat(halves[0]), torch.cat(halves[1]), client_of_example, num_clients)
+        minus = client_losses(torch.cat(halves[2]), torch.cat(halves[3]), client_of_example, num_clients)
+        return plus.cpu(), minus.cpu()
+
+    def choose_schedule(self, clients, offsets, seeds, mu) -> str:
+        """``zo_schedule="auto"``: use the antithetic forward if it gives the two-forward losses (checked once)."""
+        reference = clients.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)])
+        self.zo_schedule = "antithetic"
+        try:
+            candidate = clients.loss_pair(offsets, seeds, mu)[0]
+            agrees = torch.allclose(candidate, reference, rtol=1e-4, atol=1e-6)
+        except (TypeError, RuntimeError, ValueError) as err:
+            agrees, reference = False, err
+        if not agrees:
+            logger.warning(
+                "The antithetic (doubled-batch) forward does not reproduce two plain forwards for this "
+                "model (%s); using zo_schedule='two_forwards'.",
+                reference,
+            )
+            self.zo_schedule = "two_forwards"
+        return self.zo_schedule
 
     def protocol(self) -> Protocol:
         zo = self.args
