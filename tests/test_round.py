@@ -80,7 +80,7 @@ def test_chunked_forwards_give_the_same_losses(tmp_path, tokenizer):
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
-def _drawn_per_round(tmp_path, num_clients, batch):
+def _drawn_per_round(tmp_path, num_clients, batch, schedule):
     model = LogisticRegression()
     trainer = make_trainer(
         model,
@@ -90,6 +90,7 @@ def _drawn_per_round(tmp_path, num_clients, batch):
         per_device_train_batch_size=batch,
         max_steps=3,
         num_perturbations=2,
+        zo_schedule=schedule,
     )
     start = COUNTER.drawn
     trainer.train()
@@ -97,9 +98,10 @@ def _drawn_per_round(tmp_path, num_clients, batch):
 
 
 def test_generator_passes_do_not_depend_on_number_of_clients(tmp_path):
-    passes = [_drawn_per_round(tmp_path, n, 32 // n) for n in (1, 4, 16)]
-    # two-point: 2 perturbed forwards + 1 update per direction, nu = 2
-    assert passes == [6.0, 6.0, 6.0]
+    passes = [_drawn_per_round(tmp_path, n, 32 // n, "two_forwards") for n in (1, 4, 16)]
+    assert passes == [6.0, 6.0, 6.0]  # 2 perturbed forwards + 1 update per direction, nu = 2
+    passes = [_drawn_per_round(tmp_path, n, 32 // n, "antithetic") for n in (1, 4, 16)]
+    assert passes == [4.0, 4.0, 4.0]  # 1 draw for both forwards + 1 update per direction
 
 
 def test_single_client_equals_mezo_reference(tmp_path):

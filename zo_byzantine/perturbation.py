@@ -114,6 +114,8 @@ class ParameterTable:
             owned = [(name, index_of[id(p)]) for name, p in module.named_parameters(recurse=False) if id(p) in index_of]
             if owned:
                 self.owners.append((module, owned))
+        seen = [index for _, owned in self.owners for _, index in owned]
+        self.tied = {index for index in seen if seen.count(index) > 1}  # drawn once per forward, then reused
 
     @property
     def numel(self) -> int:
@@ -138,13 +140,15 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
         return
     handles = []
     saved: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    tied_cache: dict = {}
 
     def swap_in(module, _args):
         originals = []
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             originals.append((name, param))
-            module._parameters[name] = param + combination(param.detach(), index, terms, cache)  # grads flow
+            store = cache if cache is not None else (tied_cache if index in table.tied else None)
+            module._parameters[name] = param + combination(param.detach(), index, terms, store)  # grads flow
         saved[id(module)] = originals
 
     def swap_out(module, _args, _output):
@@ -194,29 +198,45 @@ def _split(value, n: int, part: int):
     return value
 
 
-def _concat(first, second):
+def _concat(first, second, half: int | None = None):
+    """Join the two halves' outputs; ``half`` set: outputs of a broadcast input (leading dim 1) are expanded."""
     if torch.is_tensor(first):
+        if half is not None:
+            if first.dim() == 0 or first.shape[0] != 1:
+                raise TypeError(f"antithetic forward: output of shape {tuple(first.shape)} for a broadcast input")
+            return torch.cat([first.expand(half, *first.shape[1:]), second.expand(half, *second.shape[1:])])
         return torch.cat([first, second])
     if first is None:
         return None
     if isinstance(first, tuple | list):
-        return type(first)(_concat(a, b) for a, b in zip(first, second, strict=True))
+        return type(first)(_concat(a, b, half) for a, b in zip(first, second, strict=True))
     if isinstance(first, dict):
-        return type(first)({k: _concat(first[k], second[k]) for k in first})
+        return type(first)({k: _concat(first[k], second[k], half) for k in first})
     raise TypeError(f"antithetic forward cannot join outputs of type {type(first).__name__}")
 
 
 @contextlib.contextmanager
-def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float):
-    """Forwards of a doubled batch ``[x; x]``: the first half is evaluated at ``w + base + mu z``, the
-    second at ``w + base - mu z``, and each owning module draws its ``z`` once for both halves (one
-    generator pass for the two evaluations of a two-point estimate).
+def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: int):
+    """Forwards of a doubled batch ``[x; x]`` (``batch`` rows): the first half is evaluated at
+    ``w + base + mu z``, the second at ``w + base - mu z``, and each owning module draws its ``z`` once
+    for both halves (one generator pass for the two evaluations of a two-point estimate).
 
-    Each owning module runs its own forward once per half (inputs whose first dimension is the doubled
-    batch are split, outputs concatenated). This assumes that modules keep the batch as the leading
-    dimension of their inputs; the trainer checks the result against two plain forwards once.
+    Each owning module runs its own forward once per half: inputs whose leading dimension is ``batch``
+    are split and the outputs concatenated; a module fed a broadcast input (leading dimension 1, e.g.
+    position ids) gets it whole and its two outputs are expanded to the halves. This assumes modules
+    keep the batch as the leading dimension; the trainer checks the result against two plain forwards once.
     """
     owned_by = {id(module): owned for module, owned in table.owners}
+
+    tied: dict[int, tuple] = {}  # tied parameters: (z, offset) drawn once for all their owners
+
+    def draw(param: torch.Tensor, index: int) -> tuple:
+        if index in tied:
+            return tied[index]
+        drawn = (gaussian_like(param, seed, index), combination(param, index, base) if base else None)
+        if index in table.tied:
+            tied[index] = drawn
+        return drawn
 
     def wrap(module, forward):
         def split_forward(*args, **kwargs):
@@ -224,8 +244,7 @@ def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float):
             shifts = []
             for name, index in owned_by[id(module)]:
                 param = module._parameters[name]
-                z = gaussian_like(param.detach(), seed, index)
-                offset = combination(param.detach(), index, base) if base else None
+                z, offset = draw(param.detach(), index)
                 shifts.append((name, param, z, offset))
 
             def set_half(s: float):
@@ -237,21 +256,22 @@ def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float):
                 if sign is not None:  # called inside an enclosing owner's half: no second split
                     set_half(sign)
                     return forward(*args, **kwargs)
-                n = next(v.shape[0] for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0)
+                tensors = [v for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0]
+                split = any(v.shape[0] == batch for v in tensors)
                 halves = []
                 for part, s in enumerate((1.0, -1.0)):
                     set_half(s)
                     _HALF.sign = s
                     try:
-                        halves.append(
-                            forward(
-                                *[_split(a, n, part) for a in args],
-                                **{k: _split(v, n, part) for k, v in kwargs.items()},
-                            )
-                        )
+                        if split:
+                            part_args = [_split(a, batch, part) for a in args]
+                            part_kwargs = {k: _split(v, batch, part) for k, v in kwargs.items()}
+                            halves.append(forward(*part_args, **part_kwargs))
+                        else:
+                            halves.append(forward(*args, **kwargs))
                     finally:
                         _HALF.sign = None
-                return _concat(*halves)
+                return _concat(*halves, None if split else batch // 2)
             finally:
                 for name, param, _, _ in shifts:
                     module._parameters[name] = param

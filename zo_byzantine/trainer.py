@@ -308,15 +308,14 @@ class ZOByzantineTrainer(Trainer):
     def client_losses_antithetic(self, model, inputs, client_of_example, num_clients, base, seed, mu):
         """Losses at ``w + base + mu z`` and ``w + base - mu z`` from forwards of doubled batches ``[x; x]``."""
         halves = [[], [], [], []]  # plus sums, plus counts, minus sums, minus counts
-        with antithetic(self.table, base, seed, mu), self.compute_loss_context_manager():
-            for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
-                n = next(v.shape[0] for v in chunk.values() if torch.is_tensor(v))
-                doubled = {
-                    k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v for k, v in chunk.items()
-                }
+        for chunk in self._chunks(inputs, self.args.zo_forward_batch_size):
+            n = next(v.shape[0] for v in chunk.values() if torch.is_tensor(v))
+            doubled = {k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v
+                       for k, v in chunk.items()}
+            with antithetic(self.table, base, seed, mu, 2 * n), self.compute_loss_context_manager():
                 s, c = self.forward_per_example(model, doubled)
-                for store, value in zip(halves, (s[:n], c[:n], s[n:], c[n:]), strict=True):
-                    store.append(value)
+            for store, value in zip(halves, (s[:n], c[:n], s[n:], c[n:]), strict=True):
+                store.append(value)
         plus = client_losses(torch.cat(halves[0]), torch.cat(halves[1]), client_of_example, num_clients)
         minus = client_losses(torch.cat(halves[2]), torch.cat(halves[3]), client_of_example, num_clients)
         return plus.cpu(), minus.cpu()
