@@ -49,11 +49,12 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
-        zo_schedule (`str`, defaults to `"auto"`): how a two-point estimate is evaluated. `"antithetic"`: one
-            forward of the doubled batch, each module drawing its `z` once for `+mu` and `-mu` (2 generator
-            passes per direction with the update); `"two_forwards"`: two forwards (3 passes); `"cached"`: two
-            forwards, `z` kept between them (2 passes, d extra floats); `"auto"`: antithetic, checked against two
-            forwards at the first round, else two forwards.
+        zo_schedule (`str`, defaults to `"two_forwards"`): how a two-point estimate is evaluated.
+            `"two_forwards"`: two forwards, z drawn for each and for the update (3 generator passes per direction;
+            inference-level memory). `"cached"`: the round's directions are kept after the first draw for the
+            second forward and the update (1 pass; nu*d extra floats). `"antithetic"`: one forward of the doubled
+            batch, each module drawing z once for +mu and -mu (2 passes; doubled activations). `"auto"`:
+            antithetic, checked against two forwards at the first round, else two forwards.
         local_learning_rate (`float`, *optional*): step of the clients' local ZO-SGD steps; defaults to `learning_rate`.
         directions (`str`, defaults to `"shared"`): `"shared"` (FedByZO) or `"per_client"` (FedES, paper 001).
         aggregation_space (`str`, defaults to `"projection"`): rules on R^nu vectors, or `"parameter"` on the
@@ -85,7 +86,7 @@ class ZOByzantineArguments(TrainingArguments):
     local_update: str = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
-    zo_schedule: str = field(default="auto", metadata={"help": "auto, antithetic, two_forwards or cached."})
+    zo_schedule: str = field(default="two_forwards", metadata={"help": "two_forwards, cached, antithetic or auto."})
     local_learning_rate: float | None = field(default=None, metadata={"help": "Local ZO-SGD step; lr if unset."})
     directions: str = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
     aggregation_space: str = field(default="projection", metadata={"help": "projection (R^nu) or parameter (R^d)."})

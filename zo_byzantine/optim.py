@@ -42,10 +42,11 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.local_lr, self.betas, self.eps, self.v0 = local_lr, betas, eps, v0
         self._staged: Terms | None = None
         self._dense: list[torch.Tensor] | None = None
+        self._cache: dict | None = None
 
-    def stage(self, terms: Terms) -> None:
-        """The next ``step()`` applies ``g = sum_k c_k z_k``."""
-        self._staged, self._dense = list(terms), None
+    def stage(self, terms: Terms, cache: dict | None = None) -> None:
+        """The next ``step()`` applies ``g = sum_k c_k z_k`` (``cache``: directions already drawn, by seed)."""
+        self._staged, self._dense, self._cache = list(terms), None, cache
 
     def stage_dense(self, update: list[torch.Tensor]) -> None:
         """The next ``step()`` applies ``g = update`` (one tensor per parameter of the table)."""
@@ -74,14 +75,15 @@ class ZOOptimizer(torch.optim.Optimizer):
             return None
         lr, decay = self.learning_rate(), self.weight_decay()
         if self.server == "sgd" and self._dense is None:
-            apply_update(self.table, self._staged, lr, decay)
+            apply_update(self.table, self._staged, lr, decay, self._cache)
         else:
             for index, param in self.table:
-                g = self._dense[index] if self._dense is not None else combination(param, index, self._staged)
+                g = self._dense[index] if self._dense is not None else combination(param, index, self._staged,
+                                                                                   self._cache)
                 if decay.get(index):
                     param.mul_(1.0 - lr * decay[index])
                 param.add_(self._server_direction(param, g), alpha=-lr)
-        self._staged = self._dense = None
+        self._staged = self._dense = self._cache = None
         return None
 
     def _server_direction(self, param: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,10 @@ the only extra memory is one module's perturbed parameters at a time.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -169,24 +171,34 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
                 module._parameters[name] = param
 
 
-@torch.no_grad()
+_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
+
+
 def apply_update(
     table: ParameterTable,
     terms: Terms,
     lr: float,
     weight_decay: dict[int, float] | None = None,
+    cache: dict | None = None,
 ) -> None:
     """In place: ``w_j <- w_j - lr * (sum_k c_k z_k[j] + wd_j * w_j)`` for every parameter ``j``.
 
-    This is the only write to the weights; training and ledger replay both call it, so a
-    replay reproduces the trained weights bitwise.
+    This is the only write to the weights; training and ledger replay both call it, so a replay
+    reproduces the trained weights bitwise. Tensors are independent (one generator each), so they are
+    updated by a small thread pool (torch releases the GIL); the arithmetic per tensor is unchanged.
+    With ``cache`` (directions kept by the ``cached`` schedule) no ``z`` is drawn again.
     """
-    for index, param in table:
-        decay = (weight_decay or {}).get(index, 0.0)
-        if decay:
-            param.mul_(1.0 - lr * decay)
-        if terms:
-            param.add_(combination(param, index, terms), alpha=-lr)
+
+    def update(item):
+        index, param = item
+        with torch.no_grad():  # grad mode is per thread
+            decay = (weight_decay or {}).get(index, 0.0)
+            if decay:
+                param.mul_(1.0 - lr * decay)
+            if terms:
+                param.add_(combination(param, index, terms, cache), alpha=-lr)
+
+    list(_POOL.map(update, table))
 
 
 _HALF = threading.local()  # sign of the half an enclosing owner module is running (nested owners)

@@ -118,7 +118,7 @@ class RoundClients:
                 for i, (o, s) in enumerate(zip(offsets, seeds, strict=True))
             ]
             return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
-        cache = {} if schedule == "cached" else None  # z drawn once, kept (d floats) for the second forward
+        cache = self.trainer.round_cache  # "cached": z drawn once, kept for the -mu forward and the update
         plus = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
         minus = self.losses([o + [(s, -mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
         return plus, minus
@@ -176,6 +176,7 @@ class ZOByzantineTrainer(Trainer):
         self.ledger: Ledger | None = None
         self.forward_per_example = PerExampleForward()
         self.zo_schedule = zo.zo_schedule
+        self.round_cache: dict | None = None
         self._window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._drawn_at_log = COUNTER.drawn
 
@@ -233,7 +234,7 @@ class ZOByzantineTrainer(Trainer):
                 f"Aggregating in R^d (estimator={zo.estimator!r}, aggregation_space={zo.aggregation_space!r}) needs "
                 f"about {need / 2**30:.1f} GiB for n={zo.num_clients} x d={self.table.numel}; "
                 f"dense_memory_limit_gb={limit:.1f}. "
-                "Use aggregation_space='projection' or a smaller model."
+                "Use fewer clients, a smaller model (or a PEFT adapter), or raise dense_memory_limit_gb."
             )
 
     def build_federation(self, dataset) -> Federation:
@@ -360,6 +361,7 @@ class ZOByzantineTrainer(Trainer):
         model = self.accelerator.unwrap_model(model)  # no DDP: processes exchange per-client scalars, not grads
         byzantine = torch.as_tensor(self.federation.is_byzantine[participants])
         clients = RoundClients(self, model, inputs, participants)
+        self.round_cache = {} if self.zo_schedule == "cached" else None  # the round's directions (nu d floats)
         if batch != clients.m * zo.per_device_train_batch_size:
             raise RuntimeError(
                 f"Round {t}: batch of {batch} rows, expected {clients.m} clients "
@@ -401,7 +403,7 @@ class ZOByzantineTrainer(Trainer):
             self.zo_optimizer.stage_dense(result.dense)
             self.ledger.record(t, [], [], lr, dense=True)
         else:
-            self.zo_optimizer.stage(result.terms)
+            self.zo_optimizer.stage(result.terms, self.round_cache)
             self.ledger.record(t, result.seed_tuples, [c for _, c in result.terms], lr)
         self._window["rounds"] += 1
         return result.honest_loss.detach().to(device=zo.device, dtype=torch.float32)
