@@ -118,6 +118,13 @@ class ParameterTable:
                 self.owners.append((module, owned))
         seen = [index for _, owned in self.owners for _, index in owned]
         self.tied = {index for index in seen if seen.count(index) > 1}  # drawn once per forward, then reused
+        self.reached: set[int] = set()  # parameters a perturbed forward has swapped (see ``unreached``)
+
+    def unreached(self) -> list[str]:
+        """Trainable parameters no perturbed forward has reached: their owning module never ran (unused, or
+        the parameter is read outside its module's forward, e.g. a PEFT embedding adapter's ParameterDict).
+        Their estimated directional derivative is zero."""
+        return [name for index, name in enumerate(self.names) if index not in self.reached]
 
     @property
     def numel(self) -> int:
@@ -149,6 +156,7 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             originals.append((name, param))
+            table.reached.add(index)
             store = cache if cache is not None else (tied_cache if index in table.tied else None)
             module._parameters[name] = param + combination(param.detach(), index, terms, store)  # grads flow
         saved[id(module)] = originals
@@ -256,6 +264,7 @@ def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: 
             shifts = []
             for name, index in owned_by[id(module)]:
                 param = module._parameters[name]
+                table.reached.add(index)
                 z, offset = draw(param.detach(), index)
                 shifts.append((name, param, z, offset))
 

@@ -177,6 +177,7 @@ class ZOByzantineTrainer(Trainer):
         self.forward_per_example = PerExampleForward()
         self.zo_schedule = zo.zo_schedule
         self.round_cache: dict | None = None
+        self._checked_reach = False
         self._window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._drawn_at_log = COUNTER.drawn
 
@@ -406,6 +407,13 @@ class ZOByzantineTrainer(Trainer):
             self.zo_optimizer.stage(result.terms, self.round_cache)
             self.ledger.record(t, result.seed_tuples, [c for _, c in result.terms], lr)
         self._window["rounds"] += 1
+        if not self._checked_reach and self.table.reached:
+            self._checked_reach = True
+            missing = self.table.unreached()
+            if missing:
+                logger.warning("%d trainable parameters were never reached by a module forward, so their zeroth-order "
+                               "estimate is zero (unused, or read outside their module's forward): %s",
+                               len(missing), ", ".join(missing[:10]))
         return result.honest_loss.detach().to(device=zo.device, dtype=torch.float32)
 
     def set_round(self, key: tuple[int, ...]) -> None:
