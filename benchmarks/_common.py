@@ -35,3 +35,18 @@ def best_time(fn, repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` rows of random token ids (``seq_len`` each, no padding) with random binary labels."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1000, vocab, (n, seq_len), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}

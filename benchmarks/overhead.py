@@ -21,31 +21,18 @@ import sys
 import tempfile
 
 import torch
-from _common import best_time, machine, minilm
+from _common import RandomTokens, best_time, machine, minilm
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
 from zo_byzantine.losses import client_losses, per_example_loss
 from zo_byzantine.perturbation import COUNTER, direction_seed, gaussian_like
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n, seq_len, vocab):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1000, vocab, (n, seq_len), generator=g)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
-
-
 def build(model, clients, batch, seq_len, tmp, **kwargs):
     args = ZOByzantineArguments(output_dir=tmp, num_clients=clients, per_device_train_batch_size=batch, max_steps=1,
                                 report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-7,
                                 remove_unused_columns=False, **kwargs)
-    trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=Tokens(4 * clients * batch, seq_len,
+    trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=RandomTokens(4 * clients * batch, seq_len,
                                                                                 model.config.vocab_size))
     trainer.create_optimizer()
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))

@@ -23,29 +23,17 @@ def worker(out: str, rounds: int):
     import logging
 
     import torch
-    from _common import minilm
+    from _common import RandomTokens, minilm
 
     from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
 
     logging.disable(logging.WARNING)
     model, _ = minilm()
 
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n):
-            g = torch.Generator().manual_seed(0)
-            self.ids = torch.randint(1000, model.config.vocab_size, (n, 64), generator=g)
-            self.labels = torch.randint(0, 2, (n,), generator=g)
-
-        def __len__(self):
-            return len(self.labels)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
-
     args = ZOByzantineArguments(output_dir=out, num_clients=12, per_device_train_batch_size=4, max_steps=rounds,
                                 report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-7,
                                 remove_unused_columns=False, use_cpu=True, logging_steps=rounds)
-    trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=Tokens(480))
+    trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=RandomTokens(480, 64, model.config.vocab_size))
     start = time.perf_counter()
     trainer.train()
     seconds = (time.perf_counter() - start) / rounds

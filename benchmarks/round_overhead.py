@@ -14,23 +14,10 @@ import logging
 import tempfile
 
 import torch
-from _common import best_time, machine, minilm
+from _common import RandomTokens, best_time, machine, minilm
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
 from zo_byzantine.perturbation import COUNTER, direction_seed
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n, seq_len, vocab):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1000, vocab, (n, seq_len), generator=g)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
 
 
 def build(model, n, examples, seq_len, tmp):

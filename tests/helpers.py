@@ -31,27 +31,28 @@ def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
-def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+def train_wordpiece(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer ([CLS] ... [SEP], lower case) trained on ``corpus``."""
+    from tokenizers import decoders
+    from tokenizers.processors import TemplateProcessing
+
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    tok.train_from_iterator([s for s, _ in sentences(200)] + [" ".join(POSITIVE + NEGATIVE + FILLER)], trainer)
-    from tokenizers.processors import TemplateProcessing
-
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
     tok.post_processor = TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B [SEP]",
         special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
+def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    return train_wordpiece([s for s, _ in sentences(200)] + [" ".join(POSITIVE + NEGATIVE + FILLER)], 200)
 
 
 def tiny_bert(num_labels: int = 2, vocab_size: int = 200, seed: int = 0, dropout: float = 0.0):
