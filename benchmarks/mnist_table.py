@@ -109,7 +109,7 @@ def run_one(job):
     return path
 
 
-def report(runs_dir: str, prefix: str = "mnist_table") -> None:
+def report(runs_dir: str, prefix: str = "mnist_table", out_dir: str = RESULTS) -> None:
     runs = [json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")]
     by_cell: dict[str, list] = {}
     for run in runs:
@@ -136,7 +136,7 @@ def report(runs_dir: str, prefix: str = "mnist_table") -> None:
                 "seconds_per_run": statistics.mean(r["seconds"] for r in group),
             }
         )
-    with open(os.path.join(RESULTS, f"{prefix}.csv"), "w", newline="") as f:
+    with open(os.path.join(out_dir, f"{prefix}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -151,13 +151,13 @@ def report(runs_dir: str, prefix: str = "mnist_table") -> None:
             f"| {r['cell']} | {r['mean']:.1f} ± {r['std']:.1f} | {r['seeds']} | {r['paper']} | {diff} "
             f"| {omega} | {r['seconds_per_run']:.0f} |"
         )
-    with open(os.path.join(RESULTS, f"{prefix}.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(by_cell, prefix)
+    plot(by_cell, prefix, out_dir)
 
 
-def plot(by_cell: dict, prefix: str) -> None:
+def plot(by_cell: dict, prefix: str, out_dir: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,7 +184,7 @@ def plot(by_cell: dict, prefix: str) -> None:
         by_round.legend(fontsize=6)
         fig.suptitle(f"MNIST, n=40, b=10, alpha=0.1, {column} (seed {group[0]['seed']})")
         fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, f"{prefix}_{column}.png"), dpi=90)
+        fig.savefig(os.path.join(out_dir, f"{prefix}_{column}.png"), dpi=90)
         plt.close(fig)
 
 
@@ -196,13 +196,15 @@ def main():
     parser.add_argument("--only", default=None, help="run only cells whose name starts with this")
     parser.add_argument("--data_dir", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--runs_dir", default=os.path.join(RESULTS, "mnist_runs"))
-    parser.add_argument("--smoke", action="store_true", help="two cells, 20 rounds, one seed, into a temp folder")
+    parser.add_argument("--smoke", action="store_true", help="two cells, 20 rounds, one seed, into --runs_dir")
     parser.add_argument("--report", action="store_true", help="only write the table and plots")
     args = parser.parse_args()
     if args.smoke:
         import tempfile
 
-        args.runs_dir, args.rounds, args.seeds = tempfile.mkdtemp(), 20, [0]
+        if args.runs_dir == os.path.join(RESULTS, "mnist_runs"):
+            args.runs_dir = tempfile.mkdtemp()
+        args.rounds, args.seeds = 20, [0]
         jobs = [c for c in cells() if c[0] in ("FedByZO CWTM noNNM ALIE", "FedAvg mean no-attack")]
     else:
         jobs = cells(args.only)
@@ -216,7 +218,10 @@ def main():
                 list(pool.imap_unordered(run_one, work))
         else:
             list(map(run_one, work))
-    report(args.runs_dir, "mnist_smoke" if args.smoke else "mnist_table")
+    if args.smoke:
+        report(args.runs_dir, "mnist_smoke", args.runs_dir)
+    else:
+        report(args.runs_dir)
 
 
 if __name__ == "__main__":

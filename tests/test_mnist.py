@@ -1,0 +1,42 @@
+"""MNIST: IDX reading with the published counts, and the Table 5 grid's smoke (two cells, 20 rounds)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+from prompt_helpers import DATA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("run_mnist_fed", os.path.join(ROOT, "examples", "run_mnist_fed.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_mnist_fed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_idx_files_have_the_published_counts():
+    example = _example()
+    train = example.MNIST(os.path.join(DATA, "mnist"), "train")
+    test = example.MNIST(os.path.join(DATA, "mnist"), "test", normalize=False)
+    assert len(train) == 60000 and len(test) == 10000 and train.x.shape[1] == 784
+    assert np.bincount(test.labels.numpy()).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    assert float(test.x.min()) == 0.0 and float(test.x.max()) == 1.0
+    assert abs(float(train.x.mean())) < 0.01  # (x/255 - 0.1307)/0.3081 centres the training pixels
+
+
+def test_table_smoke_runs_two_cells(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "mnist_table.py"), "--smoke", "--workers", "1",
+           "--runs_dir", str(tmp_path), "--data_dir", os.path.join(DATA, "mnist")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "mnist_smoke.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| Fed")]
+    assert len(rows) == 2
+    for row in rows:
+        accuracy = float(row.split("|")[2].split("±")[0])
+        assert accuracy > 30.0, row  # 20 rounds: well above chance (10 %)
