@@ -109,7 +109,7 @@ def run_one(job):
     return path
 
 
-def report(runs_dir: str, prefix: str = "mnist_table", out_dir: str = RESULTS) -> None:
+def report(runs_dir: str, prefix: str = "mnist_table", out_dir: str = RESULTS, plots: bool = True) -> None:
     runs = [json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")]
     by_cell: dict[str, list] = {}
     for run in runs:
@@ -154,7 +154,8 @@ def report(runs_dir: str, prefix: str = "mnist_table", out_dir: str = RESULTS) -
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(by_cell, prefix, out_dir)
+    if plots:
+        plot(by_cell, prefix, out_dir)
 
 
 def plot(by_cell: dict, prefix: str, out_dir: str) -> None:
@@ -219,7 +220,7 @@ def main():
         else:
             list(map(run_one, work))
     if args.smoke:
-        report(args.runs_dir, "mnist_smoke", args.runs_dir)
+        report(args.runs_dir, "mnist_smoke", args.runs_dir, plots=False)  # no matplotlib needed (CI)
     else:
         report(args.runs_dir)
 
