@@ -439,7 +439,8 @@ class ZOByzantineTrainer(Trainer):
         labels = inputs.get("labels")
         if labels is None or labels.dim() != 1:
             raise ValueError("attack='lf' needs class labels of shape [batch] in the inputs.")
-        classes = self.attack.num_classes or getattr(getattr(model, "config", None), "num_labels", None)
+        classes = (self.attack.num_classes or getattr(model, "num_labels", None)
+                   or getattr(getattr(model, "config", None), "num_labels", None))
         if not classes:
             raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
         flipped = torch.where(rows & (labels >= 0), classes - 1 - labels, labels)
