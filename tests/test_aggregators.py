@@ -22,7 +22,7 @@ from zo_byzantine.aggregators import (
     build_aggregator,
     register_aggregator,
 )
-from zo_byzantine.trainer import sanitize
+from zo_byzantine.rounds import sanitize
 
 T = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
 

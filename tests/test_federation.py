@@ -6,7 +6,7 @@ import torch
 from helpers import LogisticRegression, VectorDataset, make_trainer
 
 from zo_byzantine.federation import Federation, partition_dataset
-from zo_byzantine.trainer import sanitize
+from zo_byzantine.rounds import sanitize
 
 LABELS = np.repeat(np.arange(5), 40)
 

@@ -1,7 +1,7 @@
 """``ZOByzantineTrainer``: a drop-in ``Trainer`` whose optimisation step is one federated round.
 
 Hugging Face glue only; the method lives in ``perturbation``, ``estimators``, ``federation``,
-``attacks``, ``aggregators``, ``optim`` and ``ledger``. One round (SPEC 1.4), K = 1:
+``rounds``, ``attacks``, ``aggregators``, ``optim`` and ``ledger``. One round (SPEC 1.4), K = 1:
 
     batch -> per-client losses at w +- mu z_r (all clients in one batched forward per sign)
           -> v_i in R^nu -> Byzantine clients replace theirs -> R_t = rule({v_i})
@@ -28,7 +28,7 @@ from .ledger import LEDGER_NAME, Ledger
 from .losses import PerExampleForward, client_losses, per_example_loss
 from .optim import ZOOptimizer
 from .perturbation import COUNTER, ParameterTable, antithetic, perturbed
-from .rounds import Protocol, RoundResult, SkipRound, run_round, sanitize, uplink_downlink_scalars
+from .rounds import Protocol, RoundResult, SkipRound, run_round, uplink_downlink_scalars
 
 logger = logging.getLogger(__name__)
 
@@ -522,4 +522,4 @@ class ZOByzantineTrainer(Trainer):
         return output
 
 
-__all__ = ["ZOByzantineTrainer", "sanitize"]
+__all__ = ["RoundClients", "ZOByzantineTrainer"]
