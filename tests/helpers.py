@@ -182,3 +182,23 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def dataset_loss(model, dataset: VectorDataset) -> float:
+    """Cross-entropy of ``model`` on the whole ``dataset`` (no grad)."""
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
+
+
+def load_example(name: str):
+    """Import ``examples/<name>.py`` as a module (registered, so its dataclasses resolve)."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import LogisticRegression, VectorDataset, make_trainer
+from helpers import LogisticRegression, VectorDataset, dataset_loss, make_trainer
 
 from zo_byzantine.aggregators import CWTM, NNM, Chain, Mean, Median
 from zo_byzantine.attacks import build_attack, register_attack
@@ -102,11 +102,7 @@ def _honest_loss_change(tmp_path, aggregator, attack, **attack_kwargs):
     model = LogisticRegression()
     dataset = VectorDataset(512)
 
-    def loss():
-        with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
-
-    before = loss()
+    before = dataset_loss(model, dataset)
     trainer = make_trainer(
         model,
         dataset,
@@ -124,7 +120,7 @@ def _honest_loss_change(tmp_path, aggregator, attack, **attack_kwargs):
     )
     trainer.train()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    return loss() - before, trainer
+    return dataset_loss(model, dataset) - before, trainer
 
 
 @pytest.mark.parametrize("rule", ["cwtm", "median"])

@@ -1,6 +1,5 @@
 """The main job, examples/run_glue_fed.py, end to end on a tiny model; the wheel carries the task specs."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,17 +7,14 @@ import sys
 import zipfile
 
 import pytest
+from helpers import load_example
 from prompt_helpers import DATA, save_tiny_roberta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("run_glue_fed", os.path.join(ROOT, "examples", "run_glue_fed.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_glue_fed"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_example("run_glue_fed")
 
 
 def test_twenty_rounds_of_the_main_job_write_metrics_and_a_ledger(tmp_path, monkeypatch):

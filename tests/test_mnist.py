@@ -1,22 +1,18 @@
 """MNIST: IDX reading with the published counts, and the Table 5 grid's smoke (two cells, 20 rounds)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import numpy as np
+from helpers import load_example
 from prompt_helpers import DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("run_mnist_fed", os.path.join(ROOT, "examples", "run_mnist_fed.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_mnist_fed"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("run_mnist_fed")
 
 
 def test_idx_files_have_the_published_counts():

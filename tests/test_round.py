@@ -10,6 +10,7 @@ from helpers import (
     TextDataset,
     VectorDataset,
     collate,
+    dataset_loss,
     make_trainer,
     tiny_bert,
     tiny_gpt2,
@@ -160,13 +161,9 @@ def test_loss_decreases_on_learnable_task(tmp_path):
         logging_steps=50,
     )
 
-    def full_loss():
-        with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
-
-    before = full_loss()
+    before = dataset_loss(model, dataset)
     trainer.train()
-    after = full_loss()
+    after = dataset_loss(model, dataset)
     assert after < 0.6 * before, (before, after)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert losses[-1] < losses[0]
@@ -185,9 +182,9 @@ def test_one_point_estimator_trains(tmp_path):
         num_perturbations=4,
         logging_steps=100,
     )
-    start = torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
+    start = dataset_loss(model, dataset)
     trainer.train()
-    end = torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
+    end = dataset_loss(model, dataset)
     assert end < start
 
 
