@@ -173,9 +173,10 @@ def plot(by_cell: dict, prefix: str, out_dir: str) -> None:
             run = group[0]
             steps = [s for s, _ in run["curve"]][:-1]
             acc = [100 * a for _, a in run["curve"]][:-1]
-            up = run["uplink_bytes_per_client_round"] + run["downlink_bytes_per_client_round"]
             by_round.plot(steps, acc, label=name)
-            by_bytes.plot([s * up for s in steps], acc, label=name)
+            if run["uplink_bytes_per_client_round"] is not None:  # None when the run ended before its first log
+                up = run["uplink_bytes_per_client_round"] + run["downlink_bytes_per_client_round"]
+                by_bytes.plot([s * up for s in steps], acc, label=name)
         by_round.set_xlabel("round")
         by_bytes.set_xlabel("bytes per client (up + down)")
         by_bytes.set_xscale("log")
@@ -221,8 +222,9 @@ def main():
             list(map(run_one, work))
     if args.smoke:
         report(args.runs_dir, "mnist_smoke", args.runs_dir, plots=False)  # no matplotlib needed (CI)
-    else:
-        report(args.runs_dir)
+    else:  # the committed results only from the committed runs; any other --runs_dir gets its own report
+        committed = args.runs_dir == os.path.join(RESULTS, "mnist_runs")
+        report(args.runs_dir, out_dir=RESULTS if committed else args.runs_dir)
 
 
 if __name__ == "__main__":
