@@ -25,6 +25,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
@@ -38,14 +39,49 @@ from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, samp
 logger = logging.getLogger("run_glue_fed")
 
 
+HEADS = ("prompt", "seq_cls")
+TUNINGS = ("full", "lora", "prompt_tuning", "head")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default="FacebookAI/roberta-large", metadata={"help": "Hub id or local folder."})
+    head: str = field(
+        default="prompt",
+        metadata={"help": "prompt (label words scored by the LM head) or seq_cls (a sequence-classification head)."},
+    )
+    tuning: str = field(
+        default="full",
+        metadata={
+            "help": "Which parameters are perturbed and trained: full, lora (peft), prompt_tuning (peft soft prompt, "
+            "seq_cls only) or head (the classification head only, seq_cls only)."
+        },
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling alpha."})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names for LoRA (peft's default for the model type)."}
+    )
+    num_virtual_tokens: int = field(default=10, metadata={"help": "Soft-prompt length for prompt_tuning."})
     prompt_kind: str = field(default="auto", metadata={"help": "masked_lm, causal_lm or auto (from the config)."})
     save_final_model: bool = field(
         default=False,
         metadata={"help": "Also save the final weights (the ledger alone rebuilds them from the start weights)."},
     )
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"head={self.head!r} is not supported; accepted: {', '.join(HEADS)}.")
+        if self.tuning not in TUNINGS:
+            hint = (" (peft's prefix tuning needs a `past_key_values` forward argument, which transformers 5 renamed"
+                    " to `cache`; use prompt_tuning or lora)") if self.tuning == "prefix" else ""
+            raise ValueError(f"tuning={self.tuning!r} is not supported; accepted: {', '.join(TUNINGS)}{hint}.")
+        if self.tuning in ("prompt_tuning", "head") and self.head != "seq_cls":
+            raise ValueError(f"tuning={self.tuning!r} needs head='seq_cls' (got head={self.head!r}).")
+        if self.lora_r < 1 or self.num_virtual_tokens < 1:
+            raise ValueError(
+                f"lora_r and num_virtual_tokens must be >= 1 (got {self.lora_r}, {self.num_virtual_tokens})."
+            )
 
 
 @dataclass
@@ -106,17 +142,55 @@ def check_offline(model_args: ModelArguments, data_args: DataArguments) -> None:
         )
 
 
-def load_model(model_args: ModelArguments):
+def load_model(model_args: ModelArguments, num_labels: int):
+    """(model, tokenizer, kind): the transformers model with its head, before any wrapping; kind is the prompt kind
+    (``masked_lm``/``causal_lm``) or ``seq_cls``."""
     config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model_args.head == "seq_cls":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id
+        )
+        return model, tokenizer, "seq_cls"
     kind = model_args.prompt_kind
     if kind == "auto":
         kind = "masked_lm" if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder else "causal_lm"
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     auto = AutoModelForMaskedLM if kind == "masked_lm" else AutoModelForCausalLM
-    lm = auto.from_pretrained(model_args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return lm, tokenizer, kind
+    return auto.from_pretrained(model_args.model_name_or_path), tokenizer, kind
+
+
+def select_trainable(model, model_args: ModelArguments, kind: str):
+    """Restrict training (and so the perturbation) to the parameters ``--tuning`` names; returns the model to train.
+
+    lora / prompt_tuning wrap the model with ``peft`` (saved the peft way); head keeps only the parameters outside
+    ``model.base_model`` (the classification head) trainable.
+    """
+    if model_args.tuning == "full":
+        return model
+    if model_args.tuning == "head":
+        prefix = model.base_model_prefix + "."
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(not name.startswith(prefix))
+        return model
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    task_type = "SEQ_CLS" if kind == "seq_cls" else None
+    if model_args.tuning == "lora":
+        targets = model_args.lora_target_modules.split(",") if model_args.lora_target_modules else None
+        config = LoraConfig(task_type=task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                            target_modules=targets)
+    else:
+        config = PromptTuningConfig(task_type=task_type, num_virtual_tokens=model_args.num_virtual_tokens)
+    return get_peft_model(model, config)
+
+
+def encode_plain(example: dict, spec, tokenizer, max_length: int | None) -> dict:
+    """Sentence (pair) tokenised as is, for sequence-classification heads."""
+    pair = [example["text_a"]] + ([example["text_b"]] if example.get("text_b") else [])
+    enc = tokenizer(*pair, truncation=True, max_length=max_length or spec.max_length)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": example["label"]}
 
 
 def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: int):
@@ -132,9 +206,11 @@ def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: i
     evaluation = sample(evaluation, data_args.num_eval, seed)
 
     def encode(examples):
-        return datasets.Dataset.from_list(
-            [encode_example(e, spec, tokenizer, kind, data_args.max_length) for e in examples]
-        )
+        if kind == "seq_cls":
+            rows = [encode_plain(e, spec, tokenizer, data_args.max_length) for e in examples]
+        else:
+            rows = [encode_example(e, spec, tokenizer, kind, data_args.max_length) for e in examples]
+        return datasets.Dataset.from_list(rows)
 
     return encode(train), encode(evaluation)
 
@@ -146,11 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
     spec = load_task(data_args.task)  # unknown task: clear error before anything else
     check_offline(model_args, data_args)
 
-    lm, tokenizer, kind = load_model(model_args)
-    model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
+    lm, tokenizer, kind = load_model(model_args, spec.num_labels)
+    lm = select_trainable(lm, model_args, kind)
+    if kind == "seq_cls":
+        model = lm
+    else:
+        model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
     train_set, eval_set = build_datasets(spec, data_args, tokenizer, kind, args.seed)
     logger.info(
-        "task %s (%s prompts): %d training, %d evaluation examples", spec.name, kind, len(train_set), len(eval_set)
+        "task %s (%s, tuning %s): %d training, %d evaluation examples",
+        spec.name, kind, model_args.tuning, len(train_set), len(eval_set),
     )
 
     trainer = ZOByzantineTrainer(

@@ -7,8 +7,10 @@ import sys
 import zipfile
 
 import pytest
+import torch
 from helpers import load_example
 from prompt_helpers import DATA, save_tiny_roberta
+from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,38 +19,20 @@ def _example():
     return load_example("run_glue_fed")
 
 
+def _argv(model_dir, out, rounds=20, *extra):
+    return [
+        "--task", "sst2", "--data_dir", os.path.join(DATA, "sst2"), "--model_name_or_path", model_dir,
+        "--output_dir", str(out), "--max_steps", str(rounds), "--num_train_per_class", "16", "--num_eval", "64",
+        "--per_device_train_batch_size", "2", "--eval_steps", "10", "--logging_steps", "5",
+        "--learning_rate", "1e-3", "--disable_tqdm", "true", *extra,
+    ]
+
+
 def test_twenty_rounds_of_the_main_job_write_metrics_and_a_ledger(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model_dir = save_tiny_roberta(str(tmp_path / "model"))
     out = tmp_path / "out"
-    metrics = _example().main(
-        [
-            "--task",
-            "sst2",
-            "--data_dir",
-            os.path.join(DATA, "sst2"),
-            "--model_name_or_path",
-            model_dir,
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "20",
-            "--num_train_per_class",
-            "16",
-            "--num_eval",
-            "64",
-            "--per_device_train_batch_size",
-            "2",
-            "--eval_steps",
-            "10",
-            "--logging_steps",
-            "5",
-            "--learning_rate",
-            "1e-3",
-            "--disable_tqdm",
-            "true",
-        ]
-    )
+    metrics = _example().main(_argv(model_dir, out))
     for name in ("eval_results.json", "all_results.json", "trainer_state.json", "zo_ledger.json"):
         assert (out / name).is_file(), name
     results = json.loads((out / "eval_results.json").read_text())
@@ -58,6 +42,50 @@ def test_twenty_rounds_of_the_main_job_write_metrics_and_a_ledger(tmp_path, monk
     assert [r["round"] for r in ledger["rounds"]] == list(range(20))
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 20
+
+
+@pytest.mark.parametrize(
+    "head, tuning, trained",
+    [
+        ("seq_cls", "head", "classifier"),
+        ("seq_cls", "lora", "lora_"),
+        ("seq_cls", "prompt_tuning", "prompt_embeddings"),
+        ("prompt", "lora", "lora_"),
+    ],
+)
+def test_tuning_selects_the_trained_parameters_and_saves_them(tmp_path, monkeypatch, head, tuning, trained):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_dir = save_tiny_roberta(str(tmp_path / "model"))
+    out = tmp_path / "out"
+    extra = ["--head", head, "--tuning", tuning, "--save_final_model", "true", "--learning_rate", "1e-1"]
+    _example().main(_argv(model_dir, out, 4, *extra))
+    start = load_file(os.path.join(model_dir, "model.safetensors"))
+    if tuning == "head":  # a whole model is saved: the backbone is bitwise the pretrained one
+        final = load_file(str(out / "model.safetensors"))
+        backbone = [n for n in final if n.startswith("roberta.")]
+        assert backbone and all(torch.equal(final[n], start[n]) for n in backbone)
+        assert {n for n in final if not n.startswith("roberta.")} and all("classifier" in n for n in final
+                                                                           if not n.startswith("roberta."))
+    else:  # peft: only the adapter is saved, and it moved (lora_B starts at zero)
+        assert json.loads((out / "adapter_config.json").read_text())["peft_type"] in ("LORA", "PROMPT_TUNING")
+        adapter = load_file(str(out / "adapter_model.safetensors"))
+        assert adapter and all(trained in n or "classifier" in n for n in adapter)
+        if tuning == "lora":
+            assert any("lora_B" in n and bool(adapter[n].abs().sum() > 0) for n in adapter)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--head", "mlm"], "head='mlm' is not supported; accepted: prompt, seq_cls"),
+        (["--tuning", "prefix"], "tuning='prefix' is not supported; accepted: full, lora, prompt_tuning, head .*cache"),
+        (["--tuning", "head"], "tuning='head' needs head='seq_cls'"),
+        (["--tuning", "lora", "--lora_r", "0"], "lora_r and num_virtual_tokens must be >= 1"),
+    ],
+)
+def test_bad_model_arguments_fail_naming_the_argument(flags, message):
+    with pytest.raises(ValueError, match=message):
+        _example().main(["--task", "sst2", "--output_dir", "/tmp/never", *flags])
 
 
 def test_offline_without_local_paths_stops_at_once_naming_both(monkeypatch, capsys):
