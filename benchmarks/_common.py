@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import platform
+import sys
 import time
 
 import torch
@@ -50,3 +53,13 @@ class RandomTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py`` (registered in ``sys.modules``, as its dataclasses need)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

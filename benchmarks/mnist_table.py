@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +25,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+from _common import load_example  # noqa: E402
 
 # paper 004 Table 5 (mean of maximum accuracy, %); None where the paper has no cell
 PAPER = {
@@ -81,14 +82,6 @@ def cells(only: str | None = None):
     return [c for c in out if only is None or c[0].startswith(only)]
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("run_mnist_fed", os.path.join(ROOT, "examples", "run_mnist_fed.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_mnist_fed"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_one(job):
     name, argv, seed, rounds, runs_dir, data_dir = job
     import torch
@@ -99,7 +92,7 @@ def run_one(job):
         return path
     out = os.path.join(runs_dir, "tmp", f"{name.replace(' ', '_')}-{seed}")
     start = time.perf_counter()
-    metrics = _load_example().main(
+    metrics = load_example("run_mnist_fed").main(
         [*argv, "--seed", str(seed), "--max_steps", str(rounds), "--output_dir", out, "--data_dir", data_dir]
     )
     metrics.update(cell=name, seed=seed, rounds=rounds, seconds=time.perf_counter() - start)
