@@ -83,7 +83,7 @@ def cells(only: str | None = None):
 
 
 def run_one(job):
-    name, argv, seed, rounds, runs_dir, data_dir = job
+    name, argv, seed, rounds, runs_dir, data_dir, eval_steps = job
     import torch
 
     torch.set_num_threads(1)
@@ -93,7 +93,8 @@ def run_one(job):
     out = os.path.join(runs_dir, "tmp", f"{name.replace(' ', '_')}-{seed}")
     start = time.perf_counter()
     metrics = load_example("run_mnist_fed").main(
-        [*argv, "--seed", str(seed), "--max_steps", str(rounds), "--output_dir", out, "--data_dir", data_dir]
+        [*argv, "--seed", str(seed), "--max_steps", str(rounds), "--output_dir", out, "--data_dir", data_dir,
+         "--eval_steps", str(eval_steps)]
     )
     metrics.update(cell=name, seed=seed, rounds=rounds, seconds=time.perf_counter() - start)
     with open(path, "w") as f:
@@ -187,6 +188,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--eval_steps", type=int, default=20, help="rounds between test evaluations")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", default=None, help="run only cells whose name starts with this")
     parser.add_argument("--data_dir", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
@@ -206,7 +208,9 @@ def main():
     os.makedirs(os.path.join(args.runs_dir, "tmp"), exist_ok=True)
     if not args.report:
         work = [
-            (name, argv, seed, args.rounds, args.runs_dir, args.data_dir) for name, argv in jobs for seed in args.seeds
+            (name, argv, seed, args.rounds, args.runs_dir, args.data_dir, args.eval_steps)
+            for name, argv in jobs
+            for seed in args.seeds
         ]
         if args.workers > 1:
             with mp.get_context("spawn").Pool(args.workers) as pool:
