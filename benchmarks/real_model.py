@@ -133,8 +133,9 @@ def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
     seconds = (time.perf_counter() - began) / rounds
     curve = [(e["step"], e["eval_accuracy"]) for e in trainer.state.log_history if "eval_accuracy" in e]
     final = trainer.evaluate()["eval_accuracy"]
+    omega = [e["attack_omega"] for e in trainer.state.log_history if "attack_omega" in e]
     return {"start": start_acc, "best": max(a for _, a in curve), "final": final, "curve": curve,
-            "seconds_per_round": seconds}
+            "seconds_per_round": seconds, "omega": omega}
 
 
 def first_order_head(train, dev, spec, seed, epochs=300):
