@@ -11,7 +11,7 @@ first-order: the same head (full-batch AdamW) and the whole model fine-tuned by 
 reference). Accuracy on the validation sample (SST-2 dev, 872; TREC test, 500) at the start, best and
 final, mean +- std over seeds. Training data: SST-2 1,000 examples per class, TREC the whole train set.
 
-    python benchmarks/real_model.py                  # SST-2 and TREC, 3 seeds, ~25 min on 2 cores
+    python benchmarks/real_model.py                  # SST-2 and TREC, 3 seeds, about 1 hour on 2 cores
     python benchmarks/real_model.py --smoke          # small samples, 30 rounds, one seed: the CI smoke
 """
 
