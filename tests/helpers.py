@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -190,15 +192,5 @@ def dataset_loss(model, dataset: VectorDataset) -> float:
         return torch.nn.functional.cross_entropy(model(dataset.x)["logits"], dataset.y).item()
 
 
-def load_example(name: str):
-    """Import ``examples/<name>.py`` as a module (registered, so its dataclasses resolve)."""
-    import importlib.util
-    import os
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _common import load_example  # noqa: E402,F401  (one loader of examples/*.py, shared with the benchmarks)
