@@ -19,6 +19,7 @@ from zo_byzantine.aggregators import (
     Mean,
     Median,
     MultiKrum,
+    _pairwise_sq_distances,
     build_aggregator,
     register_aggregator,
 )
@@ -70,6 +71,24 @@ def test_pre_aggregation_steps():
     assert out.shape == (2, 1) and sorted(out.sum(0).tolist()) == [13 / 2]
     buckets.set_round((1, 2, 3))
     assert torch.equal(buckets(v), out)
+
+
+def test_distances_and_nnm_match_direct_differences():
+    """The Gram-matrix distances and the product form of NNM against the obvious loops."""
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(12, 40, generator=g)
+    v[0] += 5.0  # a common offset for one client
+    v[3] = 3e38  # a sanitised Byzantine row (FLOAT32_MAX-sized) must not blur the others' distances
+    wide = v.double()
+    direct = torch.stack([((wide - wide[i]) ** 2).sum(dim=1) for i in range(len(v))])
+    honest = [i for i in range(12) if i != 3]
+    got = _pairwise_sq_distances(v).double()
+    torch.testing.assert_close(got[honest][:, honest], direct[honest][:, honest], rtol=1e-6, atol=0)
+    assert torch.isinf(got[3, honest]).all() and (got.diagonal() == 0).all()
+    w = torch.randn(12, 40, dtype=torch.float64, generator=g)
+    dist = torch.stack([((w - w[i]) ** 2).sum(dim=1) for i in range(len(w))])
+    slow = torch.stack([w[dist[i].argsort(stable=True)[:9]].mean(dim=0) for i in range(len(w))])
+    torch.testing.assert_close(NNM(12, 3)(w), slow)
 
 
 def test_chain_is_a_rule_and_validates_the_rule_against_what_steps_leave():

@@ -28,8 +28,17 @@ def _fail(rule: str, message: str, n: int, b: int) -> None:
 
 
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
-    """``D[i, j] = ||v_i - v_j||^2`` (direct differences, no n x n x d buffer, no Gram-matrix cancellation)."""
-    return torch.cdist(vectors, vectors, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
+    """``D[i, j] = ||v_i||^2 + ||v_j||^2 - 2 <v_i, v_j>`` from one float64 Gram matrix.
+
+    A matrix product, ~8x faster than direct differences at n = 40, d = 7,850. In float64 the
+    cancellation error of ``D[i, j]`` is ~1e-16 (||v_i||^2 + ||v_j||^2): it involves rows i and j
+    only (a huge Byzantine row does not blur the honest distances), and integer data stay exact
+    (ties stay ties). Returned in the input's dtype.
+    """
+    wide = vectors.double()
+    gram = wide @ wide.T
+    norms = gram.diagonal()
+    return (norms[:, None] + norms[None, :] - 2 * gram).clamp_min_(0).fill_diagonal_(0).to(vectors.dtype)
 
 
 def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
@@ -216,7 +225,9 @@ class NNM:
 
     def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
         nearest = _pairwise_sq_distances(vectors).argsort(dim=1, stable=True)[:, : self.keep]
-        return vectors[nearest].mean(dim=1)
+        # the means as one product: row i of ``weights`` holds 1/keep at v_i's neighbours, 0 elsewhere
+        weights = torch.zeros(len(vectors), len(vectors), dtype=vectors.dtype, device=vectors.device)
+        return weights.scatter_(1, nearest, 1.0 / self.keep) @ vectors
 
 
 @register_pre_aggregator("bucketing")
