@@ -51,12 +51,16 @@ def main():
     floor_s = (time.perf_counter() - began) / 3
     rows = [f"machine: {machine()}", f"floor, {2 * nu} plain forwards + losses of {n * batch} x 784: "
             f"{floor_s * 1000:.1f} ms ({2 * nu * n * batch * 784 * 10 * 2 / floor_s / 1e9:.1f} GFLOP/s)"]
+    # ALIE with omega searched over the table's 21 candidates through NNM + CWTM (its "-NNM" column)
+    alie_nnm = ["--pre_aggregators", "nnm", "--attack", "alie", "--attack_kwargs",
+                '{"omega": "auto", "target": "pipeline", "candidates": ' + str([i / 2 for i in range(21)]) + "}"]
     for label, extra in (("FedByZO CWTM, no attack", []), ("FedByZO CWTM, SF", ["--attack", "sf"]),
-                         ("FedByZO CWTM, ALIE auto omega (21 candidates)",
-                          ["--attack", "alie", "--attack_kwargs", '{"omega": "auto", "candidates": '
-                           + str([i / 2 for i in range(21)]) + "}"]),
+                         ("FedByZO CWTM, ALIE auto omega (21 candidates)", alie_nnm[2:6]),
+                         ("FedByZO NNM + CWTM, ALIE-NNM (21 candidates through NNM)", alie_nnm),
                          ("FedZO CWTM (parameter space), no attack", ["--aggregation_space", "parameter"]),
-                         ("FedAvg CWTM (first order), no attack", ["--estimator", "first_order"])):
+                         ("FedZO NNM + CWTM, ALIE-NNM", ["--aggregation_space", "parameter", *alie_nnm]),
+                         ("FedAvg CWTM (first order), no attack", ["--estimator", "first_order"]),
+                         ("FedAvg NNM + CWTM, ALIE-NNM", ["--estimator", "first_order", *alie_nnm])):
         with tempfile.TemporaryDirectory() as out:
             argv = ["--data_dir", args.data_dir, "--output_dir", out, "--max_steps", str(args.rounds),
                     "--eval_strategy", "no", "--logging_steps", str(args.rounds), *extra]
