@@ -72,13 +72,12 @@ def naive(trainer, model, inputs, clients):
     """Per client: perturb, forward, perturb, forward (FedKSeed/DeComFL simulation), then the update."""
     seed, mu = direction_seed(0, trainer.state.global_step, 1, 0), trainer.args.zo_eps
     per = len(inputs["labels"]) // clients
-    one = torch.zeros(per, dtype=torch.long)
     with torch.no_grad():
         model.eval()
         for c in range(clients):
             chunk = {k: v[c * per : (c + 1) * per] for k, v in inputs.items()}
-            trainer.client_losses(model, chunk, one, 1, [(seed, mu)])
-            trainer.client_losses(model, chunk, one, 1, [(seed, -mu)])
+            trainer.round_clients(model, chunk, 1).losses([[(seed, mu)]])
+            trainer.round_clients(model, chunk, 1).losses([[(seed, -mu)]])
     trainer.optimizer.stage([(seed, 0.0)])
     trainer.optimizer.step()
 

@@ -48,13 +48,12 @@ def naive_round(trainer, model, inputs, n, per_client):
     """Per client: perturb +mu, forward, perturb -mu, forward, restore; then the update."""
     seed = direction_seed(0, trainer.state.global_step, 1, 0)
     mu = trainer.args.zo_eps
-    one = torch.zeros(per_client, dtype=torch.long)
     model.eval()
     with torch.no_grad():
         for c in range(n):
             chunk = {k: v[c * per_client : (c + 1) * per_client] for k, v in inputs.items()}
-            trainer.client_losses(model, chunk, one, 1, [(seed, mu)])
-            trainer.client_losses(model, chunk, one, 1, [(seed, -mu)])
+            trainer.round_clients(model, chunk, 1).losses([[(seed, mu)]])
+            trainer.round_clients(model, chunk, 1).losses([[(seed, -mu)]])
     trainer.optimizer.stage([(seed, 0.0)])
     trainer.optimizer.step()
 

@@ -24,15 +24,22 @@ from zo_byzantine import ZOByzantineArguments
         ({"local_update": "nope"}, "local_update='nope'"),
         ({"byzantine_selection": "nope"}, "byzantine_selection='nope'"),
         ({"pre_aggregators": ["nope"]}, "pre_aggregators entry='nope'.*accepted: bucketing, clip, nnm"),
-        ({"num_clients": 4, "num_byzantine": 1, "aggregator": "krum"}, r"krum: f=1 needs n > 2f \+ 2 = 4 \(n=4, b=1\)"),
         (
-            {"num_clients": 6, "num_byzantine": 2, "aggregator": "cwtm", "aggregator_kwargs": {"beta": 0.5}},
-            r"cwtm: beta=0.5 trims 2\*floor\(beta\*n\)=6 of n values; need < n \(n=6, b=2\)",
+            {"num_clients": 4, "num_byzantine": 1, "aggregator": "krum"},
+            r"aggregator='krum' cannot hold.*krum: needs m > 2f \+ 2 = 4 \(m=4 vectors, f=1 Byzantine\)",
         ),
+        ({"num_clients": 6, "num_byzantine": 2, "aggregator": "cwtm", "aggregator_kwargs": {"beta": 0.5}},
+         r"cwtm: beta=0.5 must be in \[0, 0.5\)"),
         (
             {"num_clients": 8, "num_byzantine": 2, "aggregator": "krum", "pre_aggregators": ["bucketing:s=2"]},
-            r"krum: f=2 needs n > 2f \+ 2 = 6 \(n=4, b=2\)",
+            r"aggregator='bucketing\+krum'.*krum: needs m > 2f \+ 2 = 6 \(m=4 vectors, f=2 Byzantine\)",
         ),
+        ({"num_byzantine": 1, "max_byzantine_per_round": 2}, r"max_byzantine_per_round=2 must be in \[0, num_byz"),
+        ({"server_betas": [0.9]}, "server_betas=.*two numbers"),
+        ({"aggregator": "geomed", "aggregator_kwargs": {"max_iter": 1.5}}, "geomed: max_iter=1.5 must be an integer"),
+        ({"aggregator": "cclip", "aggregator_kwargs": {"iters": 2.5}}, "cclip: iters=2.5 must be an integer"),
+        ({"aggregator": "cclip", "aggregator_kwargs": {"tau": float("nan")}}, "cclip: tau=nan"),
+        ({"num_byzantine": 1, "attack": "lf", "attack_kwargs": {"num_classes": 1}}, "lf: num_classes=1"),
         ({"aggregator_kwargs": {"nope": 1}}, "aggregator_kwargs.*nope"),
         ({"num_byzantine": 1, "attack": "alie", "attack_kwargs": {"omega": "big"}}, "omega='big'"),
         ({"num_byzantine": 1, "attack": "alie", "attack_kwargs": {"target": "x"}}, "target='x'"),
@@ -53,6 +60,41 @@ from zo_byzantine import ZOByzantineArguments
 def test_invalid_configuration_raises(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("rule", "pre"),
+    [("cwtm", []), ("median", []), ("krum", []), ("multikrum", []), ("geomed", []), ("cclip", []),
+     ("cwtm", ["nnm"]), ("krum", ["bucketing:s=2"])],
+)
+def test_sampled_configuration_that_cannot_hold_is_refused_naming_the_fields(tmp_path, rule, pre):
+    # 6 of 12 clients, b = 3: a round may hold f = min(3, 6) = 3 Byzantine vectors of 6
+    with pytest.raises(ValueError) as err:
+        ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], num_clients=12, num_byzantine=3,
+                             clients_per_round=6, aggregator=rule, pre_aggregators=pre)
+    message = str(err.value)
+    for part in ("clients_per_round=6", "num_byzantine=3", f"{rule}", "m=6", "f=3"):
+        assert part in message, (part, message)
+    # the documented per-round bound makes the same sampling valid for the trimmed mean
+    ZOByzantineArguments(output_dir=str(tmp_path), report_to=[], num_clients=12, num_byzantine=3,
+                         clients_per_round=6, aggregator="cwtm", max_byzantine_per_round=2)
+
+
+def test_command_line_lists_choices_and_parses_betas():
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(ZOByzantineArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", "out", "--report_to", "none", "--server_betas", "0.8", "0.95", "--partition", "shards"]
+    )
+    assert args.server_betas == (0.8, 0.95) and args.partition == "shards"
+    text = parser.format_help()
+    for choice in ("gradient_projection", "first_order", "per_client", "antithetic", "amsgrad", "dirichlet"):
+        assert choice in text, choice
+    for name in ("multikrum", "geomed", "cclip", "alie", "random_choice", "bucketing"):  # registered names
+        assert name in text, name
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", "out", "--zo_schedule", "fastest"])
 
 
 def test_json_kwargs_are_parsed(tmp_path):

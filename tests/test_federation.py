@@ -5,8 +5,9 @@ import pytest
 import torch
 from helpers import LogisticRegression, VectorDataset, make_trainer
 
+from zo_byzantine import Aggregation, Attack, AttackOutput, Rule
 from zo_byzantine.federation import Federation, partition_dataset
-from zo_byzantine.rounds import sanitize
+from zo_byzantine.server import sanitize
 
 LABELS = np.repeat(np.arange(5), 40)
 
@@ -61,14 +62,14 @@ def test_sanitize_maps_nonfinite_to_extremes_and_counts():
     assert count == 3 and cleaned.tolist() == [[1.0, big], [big, -big]]
 
 
-class NaNAttack:
-    def __call__(self, honest, own, rule):
-        return torch.full_like(own, float("nan"))
+class NaNAttack(Attack):
+    def __call__(self, honest, own, rule, ctx):
+        return AttackOutput(torch.full_like(own, float("nan")), {})
 
 
-class Median:
-    def __call__(self, vectors):
-        return vectors.median(dim=0).values
+class Median(Rule):
+    def aggregate(self, vectors, ctx):
+        return Aggregation(vectors.median(dim=0).values, {})
 
 
 def test_nonfinite_byzantine_values_are_counted_and_never_reach_the_model(tmp_path):

@@ -7,8 +7,8 @@ import torch
 from helpers import LogisticRegression, VectorDataset, make_trainer
 
 from zo_byzantine import LedgerError, replay
+from zo_byzantine.client import Oracle
 from zo_byzantine.perturbation import ParameterTable, direction_seed, gaussian_like, perturbed
-from zo_byzantine.rounds import Oracle
 
 B, N, NU, MU = 4, 3, 2, 1e-3
 

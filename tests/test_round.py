@@ -62,7 +62,7 @@ def test_batched_round_equals_per_client_loop(tmp_path, tokenizer, kind):
     for coeff in (1e-3, -1e-3):
         with torch.no_grad():
             model.eval()
-            got = trainer.client_losses(model, inputs, client_of, 4, [(seed, coeff)])
+            got = trainer.round_clients(model, inputs, 4).batched_losses(inputs, client_of, 4, [(seed, coeff)])
         expected = _reference_client_losses(model, dataset, collator, trainer, seed, coeff)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
@@ -76,8 +76,8 @@ def test_chunked_forwards_give_the_same_losses(tmp_path, tokenizer):
     _first_round(chunked)
     client_of = torch.arange(4).repeat_interleave(4)
     with torch.no_grad():
-        a = whole.client_losses(model.eval(), inputs, client_of, 4, [(11, 1e-3)])
-        b = chunked.client_losses(model.eval(), inputs, client_of, 4, [(11, 1e-3)])
+        a = whole.round_clients(model.eval(), inputs, 4).batched_losses(inputs, client_of, 4, [(11, 1e-3)])
+        b = chunked.round_clients(model.eval(), inputs, 4).batched_losses(inputs, client_of, 4, [(11, 1e-3)])
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 

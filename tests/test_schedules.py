@@ -45,7 +45,7 @@ def test_schedules_match_two_forwards(tmp_path, tokenizer, kind, schedule):
     elif schedule == "cached":
         assert passes == 1.0  # one draw, kept for the second forward and the update
     else:
-        assert trainer.zo_schedule == "antithetic"
+        assert trainer.schedule.name == "antithetic"
 
 
 def test_zeroth_order_forwards_run_without_dropout(tmp_path, tokenizer):

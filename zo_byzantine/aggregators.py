@@ -1,10 +1,11 @@
-"""Robust aggregation rules on the clients' vectors in R^nu (SPEC 2).
+"""Robust aggregation rules on the clients' vectors in R^nu (SPEC 2), sized at call time.
 
-A rule is a callable ``rule(vectors: Tensor[n, nu]) -> Tensor[nu]`` with its parameters in
-``__init__`` (validated against ``n`` and ``b`` there). Pre-aggregation steps map
-``Tensor[n, nu] -> Tensor[n', nu]``; :class:`Chain` composes steps and a rule into a rule.
-Rules and steps are registered by name: ``@register_aggregator("name")``,
-``@register_pre_aggregator("name")``; unknown names fail with the list of known ones.
+A rule is a :class:`Rule`: ``rule(vectors: Tensor[m, nu], ctx) -> Aggregation(value, diagnostics)``,
+its hyperparameters checked in ``__init__``, and ``check(m, f)`` telling whether it can hold for ``m``
+vectors of which ``f`` may be Byzantine (``ctx.num_vectors``, ``ctx.num_byzantine``; re-checked at every
+call, so a rule built once works for any number of reports). A pre-aggregation step is a
+:class:`PreAggregator`: ``step(vectors, ctx) -> Tensor[m', nu]``. :class:`Chain` composes steps and a
+rule into a rule. Register with ``@register_aggregator("name")`` / ``@register_pre_aggregator("name")``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from . import seeds
+from .context import Aggregation, RoundContext, SizingError
 from .registry import Registry
 
 AGGREGATORS = Registry("aggregator")
@@ -23,8 +25,18 @@ register_aggregator = AGGREGATORS.register
 register_pre_aggregator = PRE_AGGREGATORS.register
 
 
-def _fail(rule: str, message: str, n: int, b: int) -> None:
-    raise ValueError(f"{rule}: {message} (n={n}, b={b}).")
+def _sizing(name: str, message: str, m: int, f: int) -> SizingError:
+    return SizingError(f"{name}: {message} (m={m} vectors, f={f} Byzantine).")
+
+
+def _bad_parameter(name: str, message: str) -> ValueError:
+    return ValueError(f"{name}: {message}.")
+
+
+def _integer(name: str, key: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad_parameter(name, f"{key}={value!r} must be an integer >= {low}")
+    return value
 
 
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
@@ -48,67 +60,124 @@ def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
-@register_aggregator("mean")
-class Mean:
-    """Arithmetic mean ``(1/n) sum_i v_i``. Not robust: one client moves it anywhere.
+class Rule:
+    """Base of the rules: ``__call__`` checks the sizing against what it receives, then ``aggregate``."""
 
-    >>> Mean()(torch.tensor([[1.0, 2.0], [3.0, 6.0]]))
+    name = "rule"
+
+    def check(self, m: int, f: int) -> None:
+        """Raise :class:`SizingError` if the rule cannot hold for ``m`` vectors with ``f`` Byzantine."""
+        if m < 1:
+            raise _sizing(self.name, "needs at least one vector", m, f)
+
+    def aggregate(self, vectors: torch.Tensor, ctx: RoundContext) -> Aggregation:
+        raise NotImplementedError
+
+    def __call__(self, vectors: torch.Tensor, ctx: RoundContext) -> Aggregation:
+        if len(vectors) != ctx.num_vectors:
+            raise ValueError(f"{self.name}: got {len(vectors)} vectors, the context says {ctx.num_vectors}.")
+        self.check(len(vectors), ctx.num_byzantine)
+        return self.aggregate(vectors, ctx)
+
+
+class PreAggregator:
+    """Base of the pre-aggregation steps: ``Tensor[m, nu] -> Tensor[output_size(m), nu]``.
+
+    ``keeps_rows``: row i of the output still stands for client i (the Byzantine mask stays meaningful)."""
+
+    name = "pre_aggregator"
+    keeps_rows = True
+
+    def check(self, m: int, f: int) -> None:
+        if m < 1:
+            raise _sizing(self.name, "needs at least one vector", m, f)
+
+    def output_size(self, m: int) -> int:
+        return m
+
+    def transform(self, vectors: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, vectors: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
+        self.check(len(vectors), ctx.num_byzantine)
+        return self.transform(vectors, ctx)
+
+
+@register_aggregator("mean")
+class Mean(Rule):
+    """Arithmetic mean ``(1/m) sum_i v_i``. Not robust: one client moves it anywhere.
+
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=2, num_byzantine=0)
+    >>> Mean()(torch.tensor([[1.0, 2.0], [3.0, 6.0]]), ctx).value
     tensor([2., 4.])
     """
 
-    def __init__(self, num_clients: int = 1, num_byzantine: int = 0):
-        pass
+    name = "mean"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        return vectors.mean(dim=0)
+    def aggregate(self, vectors, ctx):
+        return Aggregation(vectors.mean(dim=0), {})
 
 
 @register_aggregator("cwtm")
-class CWTM:
-    """Coordinate-wise trimmed mean (Yin et al. 2018): per coordinate drop the ``k = floor(beta n)``
-    smallest and largest values, average the ``n - 2k`` left. ``beta`` defaults to ``b / n``.
+class CWTM(Rule):
+    """Coordinate-wise trimmed mean (Yin et al. 2018): per coordinate drop the ``k`` smallest and ``k``
+    largest values, average the ``m - 2k`` left; ``k = f`` (``k = floor(beta m)`` when ``beta`` is set).
+    Diagnostics: ``byzantine_values_kept``, Byzantine (client, coordinate) values among the averaged.
 
-    >>> CWTM(3, 1)(torch.tensor([[2.0, 2, 0], [0, -1, -1], [4, 0, -4]]))
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=3, num_byzantine=1)
+    >>> CWTM()(torch.tensor([[2.0, 2, 0], [0, -1, -1], [4, 0, -4]]), ctx).value
     tensor([ 2.,  0., -1.])
     """
 
-    def __init__(self, num_clients: int, num_byzantine: int = 0, beta: float | None = None):
-        self.beta = num_byzantine / num_clients if beta is None else beta
-        self.trim = math.floor(self.beta * num_clients + 1e-9)
-        if not 0 <= self.beta or 2 * self.trim >= num_clients:
-            _fail(
-                "cwtm",
-                f"beta={self.beta} trims 2*floor(beta*n)={2 * self.trim} of n values; need < n",
-                num_clients,
-                num_byzantine,
-            )
-        self.last_kept: torch.Tensor | None = None
+    name = "cwtm"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        n, k = len(vectors), self.trim
+    def __init__(self, beta: float | None = None):
+        if beta is not None and not 0 <= beta < 0.5:
+            raise _bad_parameter("cwtm", f"beta={beta!r} must be in [0, 0.5)")
+        self.beta = beta
+
+    def trim(self, m: int, f: int) -> int:
+        return f if self.beta is None else math.floor(self.beta * m + 1e-9)
+
+    def check(self, m, f):
+        super().check(m, f)
+        k = self.trim(m, f)
+        if 2 * k >= m:
+            raise _sizing("cwtm", f"trims k={k} values from each side; needs 2k < m", m, f)
+
+    def aggregate(self, vectors, ctx):
+        m, k = len(vectors), self.trim(len(vectors), ctx.num_byzantine)
         ordered, order = vectors.sort(dim=0, stable=True)
-        kept = torch.zeros_like(vectors, dtype=torch.bool).scatter_(0, order[k : n - k], True)
-        self.last_kept = kept  # which (client, coordinate) values survived, for diagnostics
-        return ordered[k : n - k].mean(dim=0)
+        diagnostics = {}
+        mask = ctx.byzantine_rows()
+        if mask is not None:
+            kept = torch.zeros_like(vectors, dtype=torch.bool).scatter_(0, order[k : m - k], True)
+            diagnostics["byzantine_values_kept"] = int(kept[mask.to(kept.device)].sum())
+        return Aggregation(ordered[k : m - k].mean(dim=0), diagnostics)
 
 
 @register_aggregator("median")
-class Median:
-    """Coordinate-wise median (mean of the two middle values for even n).
+class Median(Rule):
+    """Coordinate-wise median (mean of the two middle values for even m).
 
-    >>> Median()(torch.tensor([[1.0, 5.0], [2.0, 7.0], [9.0, 6.0], [4.0, 0.0]]))
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
+    >>> Median()(torch.tensor([[1.0, 5.0], [2.0, 7.0], [9.0, 6.0], [4.0, 0.0]]), ctx).value
     tensor([3.0000, 5.5000])
     """
 
-    def __init__(self, num_clients: int = 1, num_byzantine: int = 0):
-        pass
+    name = "median"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        return coordinate_median(vectors)
+    def check(self, m, f):
+        super().check(m, f)
+        if 2 * f >= m:
+            raise _sizing("median", "needs 2f < m", m, f)
+
+    def aggregate(self, vectors, ctx):
+        return Aggregation(coordinate_median(vectors), {})
 
 
 def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Tensor:
-    """Score of ``v_i``: sum of its (squared) distances to its ``n - f - 2`` nearest other vectors."""
+    """Score of ``v_i``: sum of its (squared) distances to its ``m - f - 2`` nearest other vectors."""
     dist = _pairwise_sq_distances(vectors)
     if not squared:
         dist = dist.sqrt()
@@ -117,65 +186,98 @@ def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Te
     return nearest.sum(dim=1)
 
 
-@register_aggregator("krum")
-class Krum:
-    """Krum (Blanchard et al. 2017): ``v_{i*}``, ``i* = argmin_i sum_{j in C_i} ||v_i - v_j||^2``, ``C_i``
-    the ``n - f - 2`` nearest others; ``squared=False`` uses plain distances (paper 004). ``f`` defaults to b.
+class _KrumFamily(Rule):
+    def __init__(self, f: int | None = None, squared: bool = True):
+        self.f = None if f is None else _integer(self.name, "f", f, 0)
+        self.squared = bool(squared)
 
-    >>> Krum(5, 1)(torch.tensor([[0.0], [0.1], [0.2], [0.3], [50.0]]))
+    def bound(self, f: int) -> int:
+        return f if self.f is None else self.f
+
+    def check(self, m, f):
+        super().check(m, f)
+        f = self.bound(f)
+        if m <= 2 * f + 2:
+            raise _sizing(self.name, f"needs m > 2f + 2 = {2 * f + 2}", m, f)
+
+    @staticmethod
+    def selected(chosen: torch.Tensor, ctx: RoundContext) -> dict:
+        mask = ctx.byzantine_rows()
+        return {} if mask is None else {"byzantine_selected": int(mask.to(chosen.device)[chosen].sum())}
+
+
+@register_aggregator("krum")
+class Krum(_KrumFamily):
+    """Krum (Blanchard et al. 2017): ``v_{i*}``, ``i* = argmin_i sum_{j in C_i} ||v_i - v_j||^2``, ``C_i``
+    the ``m - f - 2`` nearest others; ``squared=False`` uses plain distances (paper 004). ``f`` defaults to
+    the context's. Diagnostics: ``byzantine_selected`` (0 or 1).
+
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=5, num_byzantine=1)
+    >>> Krum()(torch.tensor([[0.0], [0.1], [0.2], [0.3], [50.0]]), ctx).value
     tensor([0.1000])
     """
 
-    def __init__(self, num_clients: int, num_byzantine: int = 0, f: int | None = None, squared: bool = True):
-        self.f = num_byzantine if f is None else f
-        self.squared = squared
-        if self.f < 0 or num_clients <= 2 * self.f + 2:
-            _fail("krum", f"f={self.f} needs n > 2f + 2 = {2 * self.f + 2}", num_clients, num_byzantine)
+    name = "krum"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        return vectors[int(krum_scores(vectors, self.f, self.squared).argmin())]
+    def aggregate(self, vectors, ctx):
+        chosen = krum_scores(vectors, self.bound(ctx.num_byzantine), self.squared).argmin().reshape(1)
+        return Aggregation(vectors[chosen[0]], self.selected(chosen, ctx))
 
 
 @register_aggregator("multikrum")
-class MultiKrum:
-    """Multi-Krum: mean of the ``m`` vectors with the lowest Krum scores (``m`` defaults to ``n - f``)."""
+class MultiKrum(_KrumFamily):
+    """Multi-Krum: mean of the ``m_sel`` vectors with the lowest Krum scores (``m`` sets ``m_sel``; it
+    defaults to ``m - f`` of the vectors received). Diagnostics: ``byzantine_selected``.
 
-    def __init__(
-        self, num_clients: int, num_byzantine: int = 0, f: int | None = None, m: int | None = None, squared: bool = True
-    ):
-        self.f = num_byzantine if f is None else f
-        self.m = num_clients - self.f if m is None else m
-        self.squared = squared
-        if self.f < 0 or num_clients <= 2 * self.f + 2:
-            _fail("multikrum", f"f={self.f} needs n > 2f + 2 = {2 * self.f + 2}", num_clients, num_byzantine)
-        if not 1 <= self.m <= num_clients:
-            _fail("multikrum", f"m={self.m} must be in [1, n]", num_clients, num_byzantine)
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=6, num_byzantine=1)
+    >>> MultiKrum(m=2)(torch.tensor([[0.0], [1.0], [3.0], [4.0], [10.0], [11.0]]), ctx).value
+    tensor([2.])
+    """
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        chosen = krum_scores(vectors, self.f, self.squared).argsort(stable=True)[: self.m]
-        return vectors[chosen].mean(dim=0)
+    name = "multikrum"
+
+    def __init__(self, f: int | None = None, m: int | None = None, squared: bool = True):
+        super().__init__(f, squared)
+        self.m = None if m is None else _integer("multikrum", "m", m, 1)
+
+    def selection(self, m: int, f: int) -> int:
+        return m - self.bound(f) if self.m is None else self.m
+
+    def check(self, m, f):
+        super().check(m, f)
+        if self.selection(m, f) > m:
+            raise _sizing("multikrum", f"selects m={self.m} vectors; needs at most the number received", m, f)
+
+    def aggregate(self, vectors, ctx):
+        f = self.bound(ctx.num_byzantine)
+        chosen = krum_scores(vectors, f, self.squared).argsort(stable=True)[: self.selection(len(vectors), f)]
+        return Aggregation(vectors[chosen].mean(dim=0), self.selected(chosen, ctx))
 
 
 @register_aggregator("geomed")
-class GeoMed:
+class GeoMed(Rule):
     """Geometric median ``argmin_z sum_i ||v_i - z||`` by smoothed Weiszfeld iterations:
     ``z <- sum_i a_i v_i / sum_i a_i``, ``a_i = 1 / max(eps, ||v_i - z||)``, from the mean, until
     ``||z_new - z|| <= tol * max(1, ||z||)`` or ``max_iter``.
+
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
+    >>> GeoMed()(torch.tensor([[1.0, 1], [1, -1], [-1, 1], [-1, -1]], dtype=torch.float64), ctx).value
+    tensor([0., 0.], dtype=torch.float64)
     """
 
-    def __init__(
-        self, num_clients: int = 1, num_byzantine: int = 0, eps: float = 1e-8, max_iter: int = 100, tol: float = 1e-7
-    ):
-        if eps <= 0 or max_iter < 1 or tol < 0:
-            _fail(
-                "geomed",
-                f"needs eps > 0, max_iter >= 1, tol >= 0; got eps={eps}, max_iter={max_iter}, tol={tol}",
-                num_clients,
-                num_byzantine,
-            )
-        self.eps, self.max_iter, self.tol = eps, max_iter, tol
+    name = "geomed"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
+    def __init__(self, eps: float = 1e-8, max_iter: int = 100, tol: float = 1e-7):
+        if not eps > 0 or not tol >= 0:
+            raise _bad_parameter("geomed", f"needs eps > 0 and tol >= 0; got eps={eps!r}, tol={tol!r}")
+        self.eps, self.max_iter, self.tol = eps, _integer("geomed", "max_iter", max_iter, 1), tol
+
+    def check(self, m, f):
+        super().check(m, f)
+        if 2 * f >= m:
+            raise _sizing("geomed", "needs 2f < m", m, f)
+
+    def aggregate(self, vectors, ctx):
         z = vectors.mean(dim=0)
         for _ in range(self.max_iter):
             weights = 1.0 / (vectors - z).norm(dim=1).clamp_min(self.eps)
@@ -184,106 +286,133 @@ class GeoMed:
             z = new
             if done:
                 break
-        return z
+        return Aggregation(z, {})
 
 
 @register_aggregator("cclip")
-class CClip:
+class CClip(Rule):
     """Centred clipping (Karimireddy et al. 2021): from ``c`` = the coordinate-wise median,
-    ``iters`` times ``c <- c + (1/n) sum_i clip_tau(v_i - c)``, ``clip_tau(x) = x min(1, tau/||x||)``.
+    ``iters`` times ``c <- c + (1/m) sum_i clip_tau(v_i - c)``, ``clip_tau(x) = x min(1, tau/||x||)``.
+
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
+    >>> CClip(tau=1.0, iters=1)(torch.tensor([[0.0], [0.0], [0.0], [10.0]]), ctx).value
+    tensor([0.2500])
     """
 
-    def __init__(self, num_clients: int = 1, num_byzantine: int = 0, tau: float = 1.0, iters: int = 3):
-        if tau <= 0 or iters < 1:
-            _fail("cclip", f"needs tau > 0 and iters >= 1; got tau={tau}, iters={iters}", num_clients, num_byzantine)
-        self.tau, self.iters = tau, iters
+    name = "cclip"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
+    def __init__(self, tau: float = 1.0, iters: int = 3):
+        if not tau > 0 or math.isinf(tau):
+            raise _bad_parameter("cclip", f"tau={tau!r} must be a finite number > 0")
+        self.tau, self.iters = tau, _integer("cclip", "iters", iters, 1)
+
+    def check(self, m, f):
+        super().check(m, f)
+        if 2 * f >= m:
+            raise _sizing("cclip", "needs 2f < m", m, f)
+
+    def aggregate(self, vectors, ctx):
         centre = coordinate_median(vectors)
         for _ in range(self.iters):
             diff = vectors - centre
             scale = (self.tau / diff.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
             centre = centre + (diff * scale[:, None]).mean(dim=0)
-        return centre
+        return Aggregation(centre, {})
 
 
 # ----- pre-aggregation ----------------------------------------------------------------------
 
 
 @register_pre_aggregator("nnm")
-class NNM:
-    """Nearest-neighbour mixing (Allouah et al. 2023): ``v_i <- mean of the n - b vectors nearest v_i``
-    (itself included, Euclidean distance)."""
+class NNM(PreAggregator):
+    """Nearest-neighbour mixing (Allouah et al. 2023): ``v_i <- mean of the m - f vectors nearest v_i``
+    (itself included, Euclidean distance).
 
-    def __init__(self, num_clients: int, num_byzantine: int = 0):
-        if num_byzantine >= num_clients:
-            _fail("nnm", "needs b < n", num_clients, num_byzantine)
-        self.keep = num_clients - num_byzantine
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
+    >>> NNM()(torch.tensor([[0.0], [1.0], [2.0], [10.0]]), ctx).squeeze(1)
+    tensor([1.0000, 1.0000, 1.0000, 4.3333])
+    """
 
-    def output_size(self, n: int) -> int:
-        return n
+    name = "nnm"
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        nearest = _pairwise_sq_distances(vectors).argsort(dim=1, stable=True)[:, : self.keep]
+    def check(self, m, f):
+        super().check(m, f)
+        if f >= m:
+            raise _sizing("nnm", "averages m - f neighbours; needs f < m", m, f)
+
+    def transform(self, vectors, ctx):
+        keep = len(vectors) - ctx.num_byzantine
+        nearest = _pairwise_sq_distances(vectors).argsort(dim=1, stable=True)[:, :keep]
         # the means as one product: row i of ``weights`` holds 1/keep at v_i's neighbours, 0 elsewhere
         weights = torch.zeros(len(vectors), len(vectors), dtype=vectors.dtype, device=vectors.device)
-        return weights.scatter_(1, nearest, 1.0 / self.keep) @ vectors
+        return weights.scatter_(1, nearest, 1.0 / keep) @ vectors
 
 
 @register_pre_aggregator("bucketing")
-class Bucketing:
-    """Bucketing (Karimireddy et al. 2022): shuffle (seeded by the round), average buckets of ``s``."""
+class Bucketing(PreAggregator):
+    """Bucketing (Karimireddy et al. 2022): shuffle (seeded by the round key), average buckets of ``s``.
+    A Byzantine vector spoils at most one bucket: ``f`` stays the bound on ``ceil(m / s)`` buckets."""
 
-    def __init__(self, num_clients: int, num_byzantine: int = 0, s: int = 2):
-        if s < 1:
-            _fail("bucketing", f"s={s} must be >= 1", num_clients, num_byzantine)
-        self.s = s
-        self.round_key: tuple[int, ...] = (0,)
+    name = "bucketing"
+    keeps_rows = False
 
-    def set_round(self, key: tuple[int, ...]) -> None:
-        self.round_key = tuple(key)
+    def __init__(self, s: int = 2):
+        self.s = _integer("bucketing", "s", s, 1)
 
-    def output_size(self, n: int) -> int:
-        return math.ceil(n / self.s)
+    def output_size(self, m):
+        return math.ceil(m / self.s)
 
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
-        rng = np.random.default_rng(np.random.SeedSequence([0xB0C7, *self.round_key]))
-        order = torch.as_tensor(rng.permutation(len(vectors)), device=vectors.device)
-        shuffled = vectors[order]
-        return torch.stack([chunk.mean(dim=0) for chunk in shuffled.split(self.s)])
+    def transform(self, vectors, ctx):
+        order = torch.as_tensor(ctx.rng(seeds.BUCKETING).permutation(len(vectors)), device=vectors.device)
+        return torch.stack([chunk.mean(dim=0) for chunk in vectors[order].split(self.s)])
 
 
 @register_pre_aggregator("clip")
-class Clip:
-    """Static clipping: ``v_i <- v_i min(1, c / ||v_i||)``."""
+class Clip(PreAggregator):
+    """Static clipping: ``v_i <- v_i min(1, c / ||v_i||)``.
 
-    def __init__(self, num_clients: int = 1, num_byzantine: int = 0, c: float = 1.0):
-        if c <= 0:
-            _fail("clip", f"c={c} must be > 0", num_clients, num_byzantine)
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=2, num_byzantine=0)
+    >>> Clip(c=2.0)(torch.tensor([[3.0, 4.0], [0.6, 0.8]]), ctx)
+    tensor([[1.2000, 1.6000],
+            [0.6000, 0.8000]])
+    """
+
+    name = "clip"
+
+    def __init__(self, c: float = 1.0):
+        if not c > 0 or math.isinf(c):
+            raise _bad_parameter("clip", f"c={c!r} must be a finite number > 0")
         self.c = c
 
-    def output_size(self, n: int) -> int:
-        return n
-
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
+    def transform(self, vectors, ctx):
         return vectors * (self.c / vectors.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)[:, None]
 
 
-class Chain:
-    """``Chain(steps, rule)(v) = rule(step_k(...step_1(v)))``: a composed rule is itself a rule."""
+class Chain(Rule):
+    """``Chain(steps, rule)(v, ctx) = rule(step_k(...step_1(v)))``: a composed rule is itself a rule.
 
-    def __init__(self, steps: Sequence, rule):
+    Each step and the rule are checked against the number of vectors the previous one leaves."""
+
+    def __init__(self, steps: Sequence[PreAggregator], rule: Rule):
+        for step in steps:
+            if not isinstance(step, PreAggregator):
+                raise TypeError(f"pre_aggregators: {step!r} is not a PreAggregator (zo_byzantine.PreAggregator).")
+        if not isinstance(rule, Rule):
+            raise TypeError(f"aggregator: {rule!r} is not a Rule (subclass zo_byzantine.Rule).")
         self.steps, self.rule = list(steps), rule
+        self.name = "+".join([*(s.name for s in self.steps), rule.name])
 
-    def set_round(self, key: tuple[int, ...]) -> None:
-        for part in [*self.steps, self.rule]:
-            if hasattr(part, "set_round"):
-                part.set_round(key)
-
-    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
+    def check(self, m, f):
         for step in self.steps:
-            vectors = step(vectors)
-        return self.rule(vectors)
+            step.check(m, f)
+            m = step.output_size(m)
+        self.rule.check(m, f)
+
+    def aggregate(self, vectors, ctx):
+        for step in self.steps:
+            vectors = step(vectors, ctx)
+            ctx = ctx.after_step(len(vectors), step.keeps_rows)
+        return self.rule(vectors, ctx)
 
 
 def parse_step(spec: str) -> tuple[str, dict]:
@@ -306,19 +435,15 @@ def parse_step(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-def build_aggregator(rule, num_clients: int, num_byzantine: int, pre_aggregators: Sequence = (), **kwargs):
-    """A rule object from a name (with ``kwargs``) or an object, behind the pre-aggregation steps.
-
-    Steps are names (``"nnm"``, ``"bucketing:s=2"``) or objects; each step sees the number of vectors
-    the previous one left, and so does the rule.
-    """
-    n, steps = num_clients, []
+def build_aggregator(rule, pre_aggregators: Sequence = (), **kwargs) -> Chain:
+    """The server's pipeline: pre-aggregation steps (names such as ``"nnm"``, ``"bucketing:s=2"``, or
+    objects) then the rule (a name with ``kwargs``, or a :class:`Rule`). Always a :class:`Chain`."""
+    steps = []
     for step in pre_aggregators:
         if isinstance(step, str):
             name, step_kwargs = parse_step(step)
-            step = PRE_AGGREGATORS.get(name)(num_clients=n, num_byzantine=num_byzantine, **step_kwargs)
+            step = PRE_AGGREGATORS.build(name, f"pre_aggregators entry {step!r}", **step_kwargs)
         steps.append(step)
-        n = step.output_size(n) if hasattr(step, "output_size") else n
-    if not callable(rule):
-        rule = AGGREGATORS.get(rule)(num_clients=n, num_byzantine=num_byzantine, **kwargs)
-    return Chain(steps, rule) if steps else rule
+    if isinstance(rule, str):
+        rule = AGGREGATORS.build(rule, "aggregator_kwargs", **kwargs)
+    return Chain(steps, rule)

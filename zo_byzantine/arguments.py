@@ -4,20 +4,37 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from transformers import TrainingArguments
 
-from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
+from .aggregators import AGGREGATORS, PRE_AGGREGATORS, Chain, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
+from .context import SizingError
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
+from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
 
-LOCAL_UPDATES = ("unbiased", "biased", "compressed")
-DIRECTIONS = ("shared", "per_client")
-AGGREGATION_SPACES = ("projection", "parameter")
-SCHEDULES = ("auto", "antithetic", "two_forwards", "cached")
-BYZANTINE_SELECTIONS = ("first", "random")
+Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
+Partition = Literal["iid", "dirichlet", "shards"]
+LocalUpdate = Literal["unbiased", "biased", "compressed"]
+Directions = Literal["shared", "per_client"]
+AggregationSpace = Literal["projection", "parameter"]
+ScheduleName = Literal["two_forwards", "cached", "antithetic", "auto"]
+ByzantineSelection = Literal["first", "random"]
+ServerOptimizer = Literal["sgd", "amsgrad"]
+
+DIRECTIONS = get_args(Directions)
+AGGREGATION_SPACES = get_args(AggregationSpace)
+SCHEDULES = get_args(ScheduleName)
+BYZANTINE_SELECTIONS = get_args(ByzantineSelection)
+assert set(get_args(Partition)) == set(PARTITIONS) and set(get_args(LocalUpdate)) == set(LOCAL_UPDATES)
+assert set(get_args(ServerOptimizer)) == set(SERVER_OPTIMIZERS) and set(get_args(Estimator)) <= set(ESTIMATORS.names())
+
+
+def _names(registry) -> str:
+    return ", ".join(registry.names())
 
 
 def _choice(name: str, value, accepted) -> None:
@@ -35,6 +52,10 @@ class ZOByzantineArguments(TrainingArguments):
     Parameters that control the federation:
         num_clients (`int`, defaults to 12): `n`, the number of clients.
         num_byzantine (`int`, defaults to 0): `b < n/2`, the number of Byzantine clients.
+        max_byzantine_per_round (`int`, *optional*): `f`, the Byzantine vectors each round's rule must tolerate;
+            defaults to `b` (at most the `m` vectors received). With `clients_per_round = m < n` a round holds
+            up to `min(b, m)` Byzantine clients; a smaller `f` lets a rule run on fewer vectors, and rounds that
+            sample more than `f` Byzantine clients are counted in the logs (`byzantine_over_bound`).
         byzantine_selection (`str`, defaults to `"first"`): `"first"` (clients 0..b-1) or `"random"` (seeded).
         clients_per_round (`int`, *optional*): clients drawn each round (seeded); all by default.
         partition (`str`, defaults to `"iid"`): `"iid"`, `"dirichlet"` or `"shards"`.
@@ -42,7 +63,8 @@ class ZOByzantineArguments(TrainingArguments):
         min_client_examples (`int`, defaults to 1): fewest examples a client may hold.
 
     Parameters that control the zeroth-order estimate:
-        estimator (`str`, defaults to `"two_point"`): `"two_point"` or `"one_point"`.
+        estimator (`str`, defaults to `"two_point"`): `"two_point"`, `"one_point"`, `"gradient_projection"` or
+            `"first_order"` (FedAvg baseline: backprop gradients in R^d).
         zo_eps (`float`, defaults to 1e-3): perturbation scale `mu`.
         num_perturbations (`int`, defaults to 1): shared directions per local step, `nu`.
         local_steps (`int`, defaults to 1): local steps per round, `K`.
@@ -72,34 +94,50 @@ class ZOByzantineArguments(TrainingArguments):
         attack_kwargs (`dict` or `str`, *optional*): its parameters.
     """
 
+    aggregator: str = field(
+        default="mean", metadata={"help": f"Aggregation rule, by registered name: {_names(AGGREGATORS)}."}
+    )
+    aggregator_kwargs: dict | str | None = field(default=None, metadata={"help": "Rule parameters (JSON object)."})
+    pre_aggregators: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"Pre-aggregation steps, in order ({_names(PRE_AGGREGATORS)}; e.g. bucketing:s=2)."},
+    )
+    attack: str = field(default="none", metadata={"help": f"Byzantine attack, by registered name: {_names(ATTACKS)}."})
+    attack_kwargs: dict | str | None = field(default=None, metadata={"help": "Attack parameters (JSON object)."})
     num_clients: int = field(default=12, metadata={"help": "Number of clients n."})
     num_byzantine: int = field(default=0, metadata={"help": "Number of Byzantine clients b (< n/2)."})
-    byzantine_selection: str = field(default="first", metadata={"help": "'first' or 'random' (seeded)."})
+    max_byzantine_per_round: int | None = field(
+        default=None, metadata={"help": "Byzantine vectors f each round's rule tolerates (0 <= f <= b); b if unset."}
+    )
+    byzantine_selection: ByzantineSelection = field(default="first", metadata={"help": "first or random (seeded)."})
     clients_per_round: int | None = field(default=None, metadata={"help": "Clients drawn per round; all if unset."})
-    partition: str = field(default="iid", metadata={"help": "Training set over clients: iid, dirichlet, shards."})
+    partition: Partition = field(default="iid", metadata={"help": "Training set over clients: iid, dirichlet, shards."})
     dirichlet_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration (> 0)."})
     min_client_examples: int = field(default=1, metadata={"help": "Minimum examples per client."})
-    estimator: str = field(default="two_point", metadata={"help": "two_point or one_point."})
+    estimator: Estimator = field(
+        default="two_point", metadata={"help": "two_point, one_point, gradient_projection or first_order."}
+    )
     zo_eps: float = field(default=1e-3, metadata={"help": "Perturbation scale mu."})
     num_perturbations: int = field(default=1, metadata={"help": "Directions per local step nu."})
     local_steps: int = field(default=1, metadata={"help": "Local steps per round K."})
-    local_update: str = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
+    local_update: LocalUpdate = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
-    zo_schedule: str = field(default="two_forwards", metadata={"help": "two_forwards, cached, antithetic or auto."})
+    zo_schedule: ScheduleName = field(
+        default="two_forwards", metadata={"help": "two_forwards, cached, antithetic or auto."}
+    )
     local_learning_rate: float | None = field(default=None, metadata={"help": "Local ZO-SGD step; lr if unset."})
-    directions: str = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
-    aggregation_space: str = field(default="projection", metadata={"help": "projection (R^nu) or parameter (R^d)."})
+    directions: Directions = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
+    aggregation_space: AggregationSpace = field(
+        default="projection", metadata={"help": "projection (R^nu) or parameter (R^d)."}
+    )
     dense_memory_limit_gb: float | None = field(default=None, metadata={"help": "Cap for R^d aggregation memory."})
-    server_optimizer: str = field(default="sgd", metadata={"help": "sgd or amsgrad (ZO-AdaFL)."})
-    server_betas: tuple[float, float] = field(default=(0.9, 0.99), metadata={"help": "AMSGrad betas."})
+    server_optimizer: ServerOptimizer = field(default="sgd", metadata={"help": "sgd or amsgrad (ZO-AdaFL)."})
+    server_betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.99], metadata={"help": "AMSGrad betas, two numbers (e.g. 0.9 0.99)."}
+    )
     server_eps: float = field(default=1e-8, metadata={"help": "AMSGrad eps (inside the square root)."})
     server_v0: float = field(default=1e-5, metadata={"help": "AMSGrad initial second moment."})
-    aggregator: str = field(default="mean", metadata={"help": "Aggregation rule, by name."})
-    aggregator_kwargs: dict | str | None = field(default=None, metadata={"help": "Rule parameters (JSON)."})
-    pre_aggregators: list[str] = field(default_factory=list, metadata={"help": "Pre-aggregation steps, in order."})
-    attack: str = field(default="none", metadata={"help": "Byzantine attack, by name."})
-    attack_kwargs: dict | str | None = field(default=None, metadata={"help": "Attack parameters (JSON)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -115,7 +153,15 @@ class ZOByzantineArguments(TrainingArguments):
             setattr(self, name, value or {})
         if self.zo_seed is None:
             self.zo_seed = self.seed
+        betas = tuple(self.server_betas)
+        if len(betas) != 2 or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in betas):
+            raise ValueError(f"server_betas={self.server_betas!r}: two numbers (beta1, beta2), e.g. 0.9 0.99.")
+        self.server_betas = tuple(float(x) for x in betas)
         self.validate_protocol()
+
+    def byzantine_bound(self) -> int:
+        """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
+        return self.num_byzantine if self.max_byzantine_per_round is None else self.max_byzantine_per_round
 
     def validate_protocol(self) -> None:
         """Raise ``ValueError`` naming the field and the accepted values for any invalid setting."""
@@ -124,6 +170,10 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError(f"num_clients={n} must be >= 1.")
         if not 0 <= b or 2 * b >= n:
             raise ValueError(f"num_byzantine={b} must satisfy 0 <= b < num_clients/2 = {n / 2}.")
+        if self.max_byzantine_per_round is not None and not 0 <= self.max_byzantine_per_round <= b:
+            raise ValueError(
+                f"max_byzantine_per_round={self.max_byzantine_per_round} must be in [0, num_byzantine={b}]."
+            )
         _choice("byzantine_selection", self.byzantine_selection, BYZANTINE_SELECTIONS)
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= n:
             raise ValueError(f"clients_per_round={self.clients_per_round} must be in [1, num_clients={n}].")
@@ -170,17 +220,28 @@ class ZOByzantineArguments(TrainingArguments):
         _choice("attack", self.attack, ATTACKS.names())
         if self.attack != "none" and b == 0:
             raise ValueError(f"attack={self.attack!r} needs Byzantine clients: set num_byzantine >= 1.")
-        # build once so that parameters are checked against n and b now, not at the first round
-        try:
-            build_aggregator(self.aggregator, n, b, self.pre_aggregators, **self.aggregator_kwargs)
-        except TypeError as err:
-            raise ValueError(f"aggregator_kwargs / pre_aggregators: {err}") from err
-        try:
-            build_attack(self.attack, n, b, **self.attack_kwargs)
-        except TypeError as err:
-            raise ValueError(f"attack_kwargs: {err}") from err
+        # build once so that parameters and sizing are checked now, not at the first round
+        check_sizing(self, build_aggregator(self.aggregator, self.pre_aggregators, **self.aggregator_kwargs))
+        build_attack(self.attack, **self.attack_kwargs)
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "
                 "federated round; accepted: 1 (set the clients' batch with per_device_train_batch_size)."
             )
+
+
+def check_sizing(args: ZOByzantineArguments, rule: Chain) -> None:
+    """Refuse a pipeline that cannot hold for the vectors of a round: ``m = clients_per_round`` (or ``n``)
+    vectors, ``f = min(max_byzantine_per_round or b, m)`` of them Byzantine."""
+    m = args.clients_per_round or args.num_clients
+    f = min(args.byzantine_bound(), m)
+    try:
+        rule.check(m, f)
+    except SizingError as err:
+        bound = f"max_byzantine_per_round={args.max_byzantine_per_round}" if args.max_byzantine_per_round is not None \
+            else f"num_byzantine={args.num_byzantine}"
+        raise ValueError(
+            f"aggregator={rule.name!r} cannot hold for the vectors of a round: clients_per_round="
+            f"{args.clients_per_round} (m={m} vectors), num_byzantine={args.num_byzantine}, bound f={f} ({bound}): "
+            f"{err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round (0 <= f <= b)."
+        ) from err

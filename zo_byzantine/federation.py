@@ -12,11 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import seeds
+
 PARTITIONS = ("iid", "dirichlet", "shards")
-
-
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(k) for k in key]))
 
 
 def iid_partition(num_examples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -65,7 +63,7 @@ def partition_dataset(
         raise ValueError(f"partition={kind!r} needs labels: give the training set a 'label' or 'labels' column.")
     labels = None if labels is None else np.asarray(labels)
     for draw in range(max_draws):
-        rng = _rng(seed, 0x9A47, draw)
+        rng = seeds.rng(seed, seeds.PARTITION, draw)
         if kind == "iid":
             parts = iid_partition(num_examples, num_clients, rng)
         elif kind == "dirichlet":
@@ -104,7 +102,7 @@ class Federation:
         if byzantine_selection == "first":
             byzantine = np.arange(num_byzantine)
         else:
-            byzantine = _rng(seed, 0xB42).choice(self.num_clients, num_byzantine, replace=False)
+            byzantine = seeds.rng(seed, seeds.BYZANTINE_SET).choice(self.num_clients, num_byzantine, replace=False)
         self.is_byzantine = np.zeros(self.num_clients, dtype=bool)
         self.is_byzantine[byzantine] = True
         self._perms: dict[tuple[int, int], np.ndarray] = {}
@@ -113,7 +111,8 @@ class Federation:
         """Sorted ids of the clients of round ``t``: all, or ``clients_per_round`` drawn by ``(seed, t)``."""
         if self.clients_per_round == self.num_clients:
             return np.arange(self.num_clients)
-        chosen = _rng(self.seed, 0xC11E, round_index).choice(self.num_clients, self.clients_per_round, replace=False)
+        draw = seeds.rng(self.seed, seeds.SAMPLING, round_index)
+        chosen = draw.choice(self.num_clients, self.clients_per_round, replace=False)
         return np.sort(chosen)
 
     def _stream(self, client: int, positions: np.ndarray) -> np.ndarray:
@@ -125,7 +124,7 @@ class Federation:
             if key not in self._perms:
                 if len(self._perms) > 4 * self.num_clients:
                     self._perms.clear()
-                self._perms[key] = part[_rng(self.seed, 0xDA7A, client, key[1]).permutation(len(part))]
+                self._perms[key] = part[seeds.rng(self.seed, seeds.DATA_ORDER, client, key[1]).permutation(len(part))]
             chosen = passes == p
             out[chosen] = self._perms[key][within[chosen]]
         return out

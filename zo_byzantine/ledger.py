@@ -65,6 +65,11 @@ class Ledger:
             entry["dense"] = True  # first-order or parameter-space update: not in the span of the directions
         self.rounds = [r for r in self.rounds if r["round"] < round_index] + [entry]
 
+    def append(self, downlink) -> None:
+        """The round of a :class:`~zo_byzantine.messages.Downlink`."""
+        self.record(downlink.round, downlink.seed_tuples, downlink.coefficients, downlink.lr,
+                    skipped=downlink.skipped, dense=downlink.dense is not None)
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT,

@@ -48,6 +48,15 @@ class ZOOptimizer(torch.optim.Optimizer):
         """The next ``step()`` applies ``g = sum_k c_k z_k`` (``cache``: directions already drawn, by seed)."""
         self._staged, self._dense, self._cache = list(terms), None, cache
 
+    def stage_downlink(self, downlink, cache: dict | None = None) -> None:
+        """The next ``step()`` applies the round's downlink (nothing for a skipped round)."""
+        if downlink.skipped:
+            self._staged = self._dense = self._cache = None
+        elif downlink.dense is not None:
+            self.stage_dense(downlink.dense)
+        else:
+            self.stage(downlink.terms(), cache)
+
     def stage_dense(self, update: list[torch.Tensor]) -> None:
         """The next ``step()`` applies ``g = update`` (one tensor per parameter of the table)."""
         self._staged, self._dense = None, update

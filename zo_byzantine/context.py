@@ -1,0 +1,76 @@
+"""The contract between the server and its rules, pre-aggregation steps and attacks (SPEC 8).
+
+Every call gets a :class:`RoundContext` and returns its result with its diagnostics; nothing is read
+back from attributes after a call, so a rule or attack written against this contract in one file runs
+unchanged in the simulation and in a deployment.
+
+    rule(vectors: Tensor[m, nu], ctx) -> Aggregation(value: Tensor[nu], diagnostics: dict)
+    step(vectors: Tensor[m, nu], ctx) -> Tensor[m', nu]
+    attack(honest: Tensor[h, nu], own: Tensor[k, nu], rule, ctx) -> AttackOutput(vectors: Tensor[k, nu], diagnostics)
+
+``diagnostics`` maps names to numbers (summed over rounds in the logs; ``omega`` is averaged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from . import seeds
+
+
+class SizingError(ValueError):
+    """A rule or pre-aggregation step cannot hold for the number of vectors and Byzantine bound it gets."""
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What one rule, step or attack call knows about the round it serves.
+
+    Attributes:
+        key: round key ``(s, t, uplink)``; seeded randomness draws from ``ctx.rng(domain)``.
+        num_vectors: ``m``, the number of vectors the call receives.
+        num_byzantine: ``f``, the number of Byzantine vectors among them the rule must tolerate.
+        byzantine: simulation only: mask of the Byzantine rows (diagnostics; rules must not use it to
+            aggregate). ``None`` in a deployment and after a step that mixes rows (bucketing).
+    """
+
+    key: tuple[int, ...]
+    num_vectors: int
+    num_byzantine: int
+    byzantine: torch.Tensor | None = None
+
+    def rng(self, domain: int):
+        """A numpy generator seeded by ``(domain, *key)``."""
+        return seeds.rng(domain, *self.key)
+
+    def generator(self, domain: int, device="cpu") -> torch.Generator:
+        """A ``torch.Generator`` seeded by ``(domain, *key)``."""
+        return seeds.torch_generator(domain, *self.key, device=device)
+
+    def after_step(self, num_vectors: int, keeps_rows: bool) -> RoundContext:
+        """The context of the next call in a chain: ``num_vectors`` left; the mask kept if rows still
+        belong to the same clients."""
+        return replace(self, num_vectors=num_vectors, byzantine=self.byzantine if keeps_rows else None)
+
+    def byzantine_rows(self) -> torch.Tensor | None:
+        """The mask, if known and non-empty."""
+        if self.byzantine is None or not bool(self.byzantine.any()):
+            return None
+        return self.byzantine
+
+
+class Aggregation(NamedTuple):
+    """A rule's output: the aggregate and what it observed (e.g. ``byzantine_values_kept``)."""
+
+    value: torch.Tensor
+    diagnostics: dict
+
+
+class AttackOutput(NamedTuple):
+    """An attack's output: what the Byzantine clients send, and its choices (e.g. ``omega``)."""
+
+    vectors: torch.Tensor
+    diagnostics: dict

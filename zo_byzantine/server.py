@@ -1,0 +1,254 @@
+"""The server role (SPEC 1.4, 1.6, 2, 8): plans rounds, checks reports, aggregates them robustly, and
+emits the downlink (which is also the ledger entry).
+
+    plan(t, participants, local_lr) -> Plan
+    aggregate(plan, reports, lr, byzantine=None) -> Downlink:
+        reports checked (sender sampled, one each, round t, exact shape) -> per uplink u:
+        vectors V (m x nu) -> [simulation: Byzantine rows <- attack(honest, own, rule, ctx)]
+        -> non-finite values sanitised -> R_u = rule(V, ctx) sized for the m vectors received
+        -> update sum_u sum_r R_u[r] z_{u,r} (shared), sum_i (|D_i|/sum|D|) v_i[r] z_{i,r} (per client),
+           or the R^d aggregate (parameter space, first-order)
+
+Nothing here knows the Trainer: the simulation and a deployment drive the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .aggregators import Chain
+from .attacks import Attack
+from .context import RoundContext, SizingError
+from .messages import Downlink, Plan, Report
+from .perturbation import ParameterTable, gaussian_like
+
+logger = logging.getLogger(__name__)
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The protocol's settings (from ``ZOByzantineArguments``)."""
+
+    zo_seed: int
+    estimator: str = "two_point"
+    mu: float = 1e-3
+    num_perturbations: int = 1
+    local_steps: int = 1
+    local_update: str = "unbiased"
+    directions: str = "shared"
+    aggregation_space: str = "projection"
+    num_byzantine: int = 0  # f: the Byzantine vectors a round's rule must tolerate (at most the vectors received)
+
+
+class SkipRound(Exception):
+    """The round cannot be applied safely; the reason goes to the downlink, the logs and the ledger."""
+
+
+def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Non-finite entries become the most extreme value (nan, +inf -> +max; -inf -> -max), counted (SPEC 1.6)."""
+    bad = ~torch.isfinite(vectors)
+    if not bad.any():
+        return vectors, 0
+    cleaned = torch.nan_to_num(vectors, nan=FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
+    return cleaned, int(bad.sum())
+
+
+def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) -> torch.Tensor:
+    """Rows ``sum_r v_i[r] z_r`` in R^d (m x d): the FedZO view of the clients' estimates."""
+    parts = []
+    for j, p in table:
+        z = torch.stack([gaussian_like(p, s, j).flatten().double() for s in seeds])
+        parts.append(vectors @ z)
+    return torch.cat(parts, dim=1)
+
+
+def unflatten(table: ParameterTable, flat: torch.Tensor) -> list[torch.Tensor]:
+    out, start = [], 0
+    for _, p in table:
+        out.append(flat[start : start + p.numel()].view_as(p).to(p.dtype))
+        start += p.numel()
+    return out
+
+
+class Server:
+    """The server role.
+
+    Args:
+        settings: the protocol's settings.
+        rule: the pipeline (pre-aggregation steps and rule), a :class:`Chain`.
+        table: the model's trainable parameters (their shapes and dtypes; parameter-space aggregation
+            reconstructs the clients' R^d estimates from it).
+        attack: simulation only: the omniscient adversary that replaces the Byzantine rows.
+    """
+
+    def __init__(self, settings: Settings, rule: Chain, table: ParameterTable, attack: Attack | None = None):
+        self.settings, self.rule, self.table, self.attack = settings, rule, table, attack
+
+    def plan(self, round_index: int, participants, local_lr: float) -> Plan:
+        s, t = self.settings, int(round_index)
+        steps = []
+        for step in range(s.local_steps + 1):  # step 0: the compressed basis Z_t
+            key = 1 if s.local_update == "biased" and step > 0 else step
+            steps.append(tuple((s.zo_seed, t, key, r) for r in range(s.num_perturbations)))
+        return Plan(
+            round=t,
+            participants=tuple(int(c) for c in participants),
+            seed_tuples=tuple(steps),
+            per_client=s.directions == "per_client",
+            estimator=s.estimator,
+            mu=s.mu,
+            num_perturbations=s.num_perturbations,
+            local_steps=s.local_steps,
+            local_lr=float(local_lr),
+            local_update=s.local_update,
+        )
+
+    def width(self) -> int:
+        """Scalars per uplink vector: ``nu``, or ``d`` for the first-order baseline."""
+        return self.table.numel if self.settings.estimator == "first_order" else self.settings.num_perturbations
+
+    def scalars_per_client(self, num_participants: int) -> tuple[int, int]:
+        """Scalars one client sends and receives per round (SPEC 1.5, 2, 4)."""
+        s, d = self.settings, self.table.numel
+        if s.estimator == "first_order":
+            return d, d
+        up = s.num_perturbations * (s.local_steps if s.local_update == "unbiased" else 1)
+        if s.aggregation_space == "parameter":
+            return up, d
+        if s.directions == "per_client":
+            return up, num_participants * up
+        return up, up
+
+    def accept(self, plan: Plan, reports: list[Report]) -> list[Report]:
+        """The reports that may enter the round, in participant order: from a sampled client, one each, for
+        round ``t``, of the exact shape. Others are dropped and logged."""
+        shape = (len(plan.uplink_steps), self.width())
+        order = {c: i for i, c in enumerate(plan.participants)}
+        kept: dict[int, Report] = {}
+        for report in reports:
+            problem = None
+            if not isinstance(report, Report):
+                problem = f"not a Report ({type(report).__name__})"
+            elif report.client not in order:
+                problem = f"client {report.client!r} was not sampled"
+            elif report.client in kept:
+                problem = f"a second report from client {report.client}"
+            elif report.round != plan.round:
+                problem = f"round {report.round!r} instead of {plan.round}"
+            elif not torch.is_tensor(report.scalars) or tuple(report.scalars.shape) != shape:
+                problem = f"scalars of shape {getattr(report.scalars, 'shape', None)} instead of {shape}"
+            if problem:
+                logger.warning("Round %d: report rejected: %s.", plan.round, problem)
+                continue
+            kept[report.client] = report
+        return sorted(kept.values(), key=lambda r: order[r.client])
+
+    def aggregate(self, plan: Plan, reports: list[Report], lr: float, byzantine=None) -> Downlink:
+        """The round's downlink from the reports. ``byzantine`` (simulation only): mask over
+        ``plan.participants`` of the clients the attack controls. A round that cannot be applied safely comes
+        back with ``skipped`` set."""
+        accepted = self.accept(plan, reports)
+        downlink = Downlink(plan.round, float(lr), received=len(accepted), rejected=len(reports) - len(accepted))
+        if byzantine is not None:
+            byzantine = torch.as_tensor(byzantine, dtype=torch.bool).cpu()
+            if len(byzantine) != len(plan.participants):
+                raise ValueError(f"byzantine: a mask of {len(byzantine)} for {len(plan.participants)} participants.")
+            position = {c: i for i, c in enumerate(plan.participants)}
+            byzantine = byzantine[[position[r.client] for r in accepted]]
+        try:
+            self._aggregate(plan, accepted, byzantine, downlink)
+            self._check_overflow(downlink)
+        except SkipRound as skip:
+            downlink.skipped = str(skip)
+            downlink.seed_tuples, downlink.coefficients, downlink.dense = [], [], None
+        return downlink
+
+    def _aggregate(self, plan: Plan, reports: list[Report], byzantine, downlink: Downlink) -> None:
+        s = self.settings
+        if not reports:
+            raise SkipRound("no valid report")
+        losses = torch.tensor([r.loss for r in reports], dtype=torch.float64)
+        honest_losses = losses if byzantine is None else losses[~byzantine]
+        if byzantine is not None and not torch.isfinite(honest_losses).all():
+            raise SkipRound("non-finite honest loss")
+        finite = honest_losses[torch.isfinite(honest_losses)]
+        downlink.loss = float(finite.mean()) if len(finite) else math.nan
+        m, f = len(reports), min(s.num_byzantine, len(reports))
+        try:
+            self.rule.check(m, f)
+        except SizingError as err:
+            raise SkipRound(f"{m} reports are too few for the rule: {err}") from err
+        dense_space = plan.first_order or s.aggregation_space == "parameter"
+        stacked = torch.stack([r.scalars for r in reports])  # m x uplinks x width
+        dense = None
+        for u, step in enumerate(plan.uplink_steps):
+            ctx = RoundContext((s.zo_seed, plan.round, u + 1), m, f, byzantine)
+            vectors = stacked[:, u]
+            if dense_space and not plan.first_order:  # FedZO: the rule runs on the reconstructed R^d estimates
+                vectors = reconstruct(self.table, plan.seeds(step, reports[0].client), vectors)
+            value, sent, diagnostics, nonfinite = self._robust(vectors, ctx)
+            downlink.nonfinite += nonfinite
+            downlink.diagnostics.append(diagnostics)
+            if dense_space:
+                dense = value if dense is None else dense + value
+                continue
+            downlink.aggregates.append(value.tolist())
+            if plan.per_client:  # FedES: bases differ by client; data-size-weighted sum of the scalars sent
+                sizes = torch.tensor([r.num_examples for r in reports], dtype=torch.float64)
+                weights = (sizes / sizes.sum()).tolist()
+                for i, report in enumerate(reports):
+                    downlink.seed_tuples += plan.keys(step, report.client)
+                    downlink.coefficients += [weights[i] * v for v in sent[i].tolist()]
+            else:
+                downlink.seed_tuples += plan.keys(step, reports[0].client)
+                downlink.coefficients += value.tolist()
+        if dense is not None:
+            downlink.dense = unflatten(self.table, dense)
+
+    def _robust(self, vectors: torch.Tensor, ctx: RoundContext):
+        """Attack (simulation), sanitising, rule. Returns the aggregate, the vectors as sent (sanitised),
+        the diagnostics and the number of non-finite values."""
+        diagnostics = {}
+        honest = vectors if ctx.byzantine is None else vectors[~ctx.byzantine]
+        if ctx.byzantine is not None:
+            if not torch.isfinite(honest).all():
+                raise SkipRound("non-finite honest estimate")
+            diagnostics["byzantine_over_bound"] = int(int(ctx.byzantine.sum()) > ctx.num_byzantine)
+            if self.attack is not None and ctx.byzantine.any():
+                own = vectors[ctx.byzantine]
+                sent, found = self.attack(honest, own, self.rule, ctx)
+                if tuple(sent.shape) != tuple(own.shape):
+                    raise ValueError(f"The attack returned {tuple(sent.shape)} for {tuple(own.shape)} vectors.")
+                vectors = vectors.clone()
+                vectors[ctx.byzantine] = sent.to(vectors)
+                diagnostics.update(found)
+        vectors, nonfinite = sanitize(vectors)
+        value, found = self.rule(vectors, ctx)
+        if not torch.isfinite(value).all():
+            raise SkipRound("non-finite aggregate")
+        diagnostics.update(found)
+        if ctx.byzantine is not None:
+            hbar = honest.mean(dim=0)
+            diagnostics["aggregate_shift"] = float((value - hbar).norm())  # ||R - hbar||
+            diagnostics["honest_mean_norm"] = float(hbar.norm())
+        return value, vectors, diagnostics, nonfinite
+
+    def _check_overflow(self, downlink: Downlink) -> None:
+        """Guard: ``lr * size * 10`` (|z| < 10 in practice) above ``sqrt(largest float)`` of the weights' dtype,
+        with size ``sum |c_k|`` (seeded update) or ``max |g|`` (dense). No honest update is that large;
+        applying it (a non-robust rule fed extreme values) would push the weights towards inf."""
+        if downlink.skipped:
+            return
+        largest = min(torch.finfo(p.dtype).max for p in self.table.params)
+        if downlink.dense is not None:
+            size = max(float(g.abs().max()) for g in downlink.dense)
+        else:
+            size = sum(abs(c) for c in downlink.coefficients)
+        if downlink.lr * size * 10 >= largest**0.5:
+            raise SkipRound("aggregate overflows the parameters' dtype")

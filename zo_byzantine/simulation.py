@@ -1,0 +1,167 @@
+"""The round's participants of one process, evaluated together (SPEC 7): what ``client.client_reports``
+calls ``clients``.
+
+Every participant's examples are stacked in one batch; losses at ``w + sum_k c_k z_k`` come from one
+batched forward per sign when all clients share their terms (one per client otherwise), split per client
+by ``client_of_example``. Schedules of the two-point pair (``zo_schedule``):
+
+    two_forwards  two forwards, z drawn for each (and again for the update): 3 passes per direction
+    cached        z drawn once per round and kept (nu d floats) for the second forward and the update
+    antithetic    one forward of the doubled batch [x; x], each module drawing z once for +mu and -mu
+    auto          antithetic if it reproduces two forwards for this model (checked once), else two_forwards
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .losses import client_losses, per_example_loss
+from .perturbation import ParameterTable, Terms, antithetic, perturbed
+
+logger = logging.getLogger(__name__)
+
+
+class Schedule:
+    """The two-point schedule of a run; ``"auto"`` resolves at the first round and stays resolved."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _rows(inputs: dict) -> int:
+    return next(v.shape[0] for v in inputs.values() if torch.is_tensor(v))
+
+
+def _slice(inputs: dict, start: int, stop: int, total: int) -> dict:
+    return {k: v[start:stop] if torch.is_tensor(v) and v.shape[:1] == (total,) else v for k, v in inputs.items()}
+
+
+class BatchedClients:
+    """``m`` clients of ``batch`` examples each, stacked in ``inputs`` (client-major).
+
+    Args:
+        forward: ``forward(model, inputs) -> (per-example loss sums, counts)``.
+        forward_batch_size: examples per forward chunk (0: all at once).
+        context: a context-manager factory wrapped around every forward (autocast).
+        cache: the round's directions by ``(seed, tensor)`` for ``schedule="cached"``, else ``None``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        table: ParameterTable,
+        inputs: dict,
+        num_clients: int,
+        batch: int,
+        forward: Callable,
+        schedule: Schedule,
+        forward_batch_size: int = 0,
+        context: Callable = contextlib.nullcontext,
+        cache: dict | None = None,
+    ):
+        total = _rows(inputs)
+        if total != num_clients * batch:
+            raise ValueError(f"A round's batch has {total} rows; expected {num_clients} clients x {batch} examples.")
+        self.model, self.table, self.inputs = model, table, inputs
+        self.m, self.batch, self.forward, self.schedule = num_clients, batch, forward, schedule
+        self.chunk, self.context, self.cache = forward_batch_size, context, cache
+        self.rows = torch.arange(num_clients, device=next(v for v in inputs.values() if torch.is_tensor(v)).device)
+        self.rows = self.rows.repeat_interleave(batch)
+
+    def client_inputs(self, i: int) -> dict:
+        return _slice(self.inputs, i * self.batch, (i + 1) * self.batch, self.m * self.batch)
+
+    def _chunks(self, inputs: dict):
+        total = _rows(inputs)
+        size = self.chunk or total
+        for start in range(0, total, size):
+            yield _slice(inputs, start, start + size, total)
+
+    def batched_losses(self, inputs: dict, client_of_example, num_clients: int, terms: Terms, cache=None):
+        """Loss of each client at ``w + sum_k c_k z_k``: forwards over all clients' examples."""
+        sums, counts = [], []
+        with perturbed(self.table, terms, cache), self.context():
+            for chunk in self._chunks(inputs):
+                s, c = self.forward(self.model, chunk)
+                sums.append(s)
+                counts.append(c)
+        return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
+
+    def antithetic_losses(self, inputs: dict, client_of_example, num_clients: int, base: Terms, seed: int, mu: float):
+        """Losses at ``w + base + mu z`` and ``w + base - mu z`` from forwards of doubled batches ``[x; x]``."""
+        halves = [[], [], [], []]  # plus sums, plus counts, minus sums, minus counts
+        for chunk in self._chunks(inputs):
+            n = _rows(chunk)
+            doubled = {k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v
+                       for k, v in chunk.items()}
+            with antithetic(self.table, base, seed, mu, 2 * n), self.context():
+                s, c = self.forward(self.model, doubled)
+            for store, value in zip(halves, (s[:n], c[:n], s[n:], c[n:]), strict=True):
+                store.append(value)
+        plus = client_losses(torch.cat(halves[0]), torch.cat(halves[1]), client_of_example, num_clients)
+        minus = client_losses(torch.cat(halves[2]), torch.cat(halves[3]), client_of_example, num_clients)
+        return plus.cpu(), minus.cpu()
+
+    def losses(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
+        """One batched evaluation when all clients share their terms, else one per client (float64, on CPU)."""
+        first = terms_per_client[0]
+        if all(terms == first for terms in terms_per_client):
+            return self.batched_losses(self.inputs, self.rows, self.m, first, cache).cpu()
+        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+        each = [
+            self.batched_losses(self.client_inputs(i), one, 1, terms, cache)
+            for i, terms in enumerate(terms_per_client)
+        ]
+        return torch.cat(each).cpu()
+
+    def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses at ``w_i + offset_i +- mu z_i`` with the run's schedule."""
+        if self.schedule.name == "auto":
+            self.schedule.name = self.choose_schedule(offsets, seeds, mu)
+        if self.schedule.name == "antithetic":
+            if all(o == offsets[0] for o in offsets) and len(set(seeds)) == 1:
+                return self.antithetic_losses(self.inputs, self.rows, self.m, offsets[0], seeds[0], mu)
+            one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+            pairs = [
+                self.antithetic_losses(self.client_inputs(i), one, 1, o, s, mu)
+                for i, (o, s) in enumerate(zip(offsets, seeds, strict=True))
+            ]
+            return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
+        cache = self.cache if self.schedule.name == "cached" else None
+        plus = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
+        minus = self.losses([o + [(s, -mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
+        return plus, minus
+
+    def choose_schedule(self, offsets, seeds, mu) -> str:
+        """``auto``: the antithetic forward if it gives the two-forward losses for this model, else two_forwards."""
+        reference = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)])
+        self.schedule.name = "antithetic"
+        try:
+            candidate = self.loss_pair(offsets, seeds, mu)[0]
+            agrees = torch.allclose(candidate, reference, rtol=1e-4, atol=1e-6)
+        except (TypeError, RuntimeError, ValueError) as err:
+            agrees, reference = False, err
+        if not agrees:
+            logger.warning(
+                "The antithetic (doubled-batch) forward does not reproduce two plain forwards for this "
+                "model (%s); using zo_schedule='two_forwards'.",
+                reference,
+            )
+        return "antithetic" if agrees else "two_forwards"
+
+    def gradients(self, terms_per_client: list):
+        """Each client's backprop gradient of its loss at ``w + sum terms_i`` (one backward per client)."""
+        table, grads, losses = self.table, [], []
+        for i, terms in enumerate(terms_per_client):
+            chunk = self.client_inputs(i)
+            with torch.enable_grad(), perturbed(table, terms), self.context():
+                sums, counts = per_example_loss(self.model, self.model(**chunk), chunk.get("labels"))
+                loss = sums.sum() / counts.sum()
+                found = torch.autograd.grad(loss, table.params, allow_unused=True)
+            grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(table.params, found, strict=True)])
+            losses.append(loss.detach())
+        return grads, torch.stack(losses).double().cpu()
