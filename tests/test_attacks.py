@@ -7,6 +7,7 @@ from helpers import LogisticRegression, VectorDataset, dataset_loss, make_traine
 from zo_byzantine.aggregators import CWTM, NNM, Chain, Mean, Median
 from zo_byzantine.attacks import ATTACKS, Attack, build_attack, register_attack
 from zo_byzantine.context import AttackOutput, RoundContext
+from zo_byzantine.simulation import flip_labels
 
 HONEST = torch.tensor([[1.0, -2.0], [3.0, -4.0], [5.0, 0.0], [7.0, -6.0], [9.0, 2.0]], dtype=torch.float64)
 OWN = torch.zeros(2, 2, dtype=torch.float64)  # n = 7, b = 2
@@ -185,5 +186,5 @@ def test_label_flipping_changes_only_byzantine_labels(tmp_path):
     trainer.train()
     rows = torch.tensor([True] * 4 + [False] * 12)
     labels = torch.tensor([0, 1] * 8)
-    flipped = trainer.flip_labels(trainer.model, {"labels": labels}, rows)["labels"]
+    flipped = flip_labels({"labels": labels}, rows, 2)["labels"]
     assert flipped[:4].tolist() == [1, 0, 1, 0] and torch.equal(flipped[4:], labels[4:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -15,6 +16,7 @@ from .estimators import ESTIMATORS
 from .federation import PARTITIONS
 from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
+from .server import Settings
 
 Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
 Partition = Literal["iid", "dirichlet", "shards"]
@@ -159,6 +161,11 @@ class ZOByzantineArguments(TrainingArguments):
         self.server_betas = tuple(float(x) for x in betas)
         self.validate_protocol()
 
+    def protocol_settings(self) -> Settings:
+        """The settings the server role runs with."""
+        return Settings(self.zo_seed, self.estimator, self.zo_eps, self.num_perturbations, self.local_steps,
+                        self.local_update, self.directions, self.aggregation_space, self.byzantine_bound())
+
     def byzantine_bound(self) -> int:
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
         return self.num_byzantine if self.max_byzantine_per_round is None else self.max_byzantine_per_round
@@ -245,3 +252,19 @@ def check_sizing(args: ZOByzantineArguments, rule: Chain) -> None:
             f"{args.clients_per_round} (m={m} vectors), num_byzantine={args.num_byzantine}, bound f={f} ({bound}): "
             f"{err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round (0 <= f <= b)."
         ) from err
+
+
+def check_dense_memory(args: ZOByzantineArguments, d: int) -> None:
+    """R^d aggregation (FedAvg, FedZO) holds n x d float64 values: refuse before training if they do not fit."""
+    if args.estimator != "first_order" and args.aggregation_space != "parameter":
+        return
+    need = 3 * args.num_clients * d * 8  # vectors, attacked copy, reconstruction
+    limit = args.dense_memory_limit_gb
+    if limit is None:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30
+    if need > limit * 2**30:
+        raise ValueError(
+            f"Aggregating in R^d (estimator={args.estimator!r}, aggregation_space={args.aggregation_space!r}) needs "
+            f"about {need / 2**30:.1f} GiB for n={args.num_clients} x d={d}; dense_memory_limit_gb={limit:.1f}. "
+            "Use fewer clients, a smaller model (or a PEFT adapter), or raise dense_memory_limit_gb."
+        )

@@ -78,6 +78,22 @@ def partition_dataset(
     )
 
 
+def dataset_labels(dataset) -> np.ndarray | None:
+    """The label column of ``dataset`` (``labels`` or ``label``), or ``None``."""
+    for column in ("labels", "label"):
+        names = getattr(dataset, "column_names", None)
+        if names is not None and column in names:
+            return np.asarray(dataset[column])
+    try:
+        first = dataset[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    for column in ("labels", "label"):
+        if isinstance(first, dict) and column in first:
+            return np.asarray([int(dataset[i][column]) for i in range(len(dataset))])
+    return None
+
+
 class Federation:
     """Clients of a run: their data, who is Byzantine, who takes part in round ``t``.
 

@@ -29,6 +29,7 @@ from .perturbation import ParameterTable, gaussian_like
 logger = logging.getLogger(__name__)
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+BYTES_PER_SCALAR = 4  # scalars travel as float32
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,20 @@ class Server:
         if s.directions == "per_client":
             return up, num_participants * up
         return up, up
+
+    def communication(self, num_participants: int, rounds: int) -> dict[str, float]:
+        """Scalars and bytes per client per round, cumulative bytes, beside dense FedAvg (d each way)."""
+        d, (up, down), m = self.table.numel, self.scalars_per_client(num_participants), num_participants
+        return {
+            "uplink_scalars_per_client": up,
+            "uplink_bytes_per_client": up * BYTES_PER_SCALAR,
+            "downlink_scalars_per_client": down,
+            "downlink_bytes_per_client": down * BYTES_PER_SCALAR,
+            "fedavg_bytes_per_client": d * BYTES_PER_SCALAR,
+            "uplink_bytes_total": rounds * m * up * BYTES_PER_SCALAR,
+            "downlink_bytes_total": rounds * m * down * BYTES_PER_SCALAR,
+            "fedavg_uplink_bytes_total": rounds * m * d * BYTES_PER_SCALAR,
+        }
 
     def accept(self, plan: Plan, reports: list[Report]) -> list[Report]:
         """The reports that may enter the round, in participant order: from a sampled client, one each, for

@@ -13,46 +13,29 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 
 from .aggregators import build_aggregator
-from .arguments import ZOByzantineArguments, check_sizing
+from .arguments import ZOByzantineArguments, check_dense_memory, check_sizing
 from .attacks import build_attack
 from .client import client_reports
-from .federation import FederatedBatchSampler, Federation, partition_dataset
+from .federation import FederatedBatchSampler, Federation, dataset_labels, partition_dataset
 from .ledger import LEDGER_NAME, Ledger
 from .losses import PerExampleForward
 from .messages import Downlink, Plan, Report
 from .optim import ZOOptimizer
 from .perturbation import COUNTER, ParameterTable
-from .server import Server, Settings
-from .simulation import BatchedClients, Schedule
+from .server import Server
+from .simulation import BatchedClients, Schedule, flip_labels, model_num_labels
 
 logger = logging.getLogger(__name__)
 
-BYTES_PER_SCALAR = 4  # scalars travel as float32
 WINDOW_KEYS = ("rounds", "skipped_rounds", "nonfinite_values", "rejected_reports")
 PER_APPLIED_ROUND = ("aggregate_shift", "honest_mean_norm")  # logged as means over applied rounds
 LOG_NAMES = {"omega": "attack_omega"}  # averaged over the uplinks that reported it; other diagnostics summed
-
-
-def _dataset_labels(dataset) -> np.ndarray | None:
-    for column in ("labels", "label"):
-        names = getattr(dataset, "column_names", None)
-        if names is not None and column in names:
-            return np.asarray(dataset[column])
-    try:
-        first = dataset[0]
-    except (TypeError, IndexError, KeyError):
-        return None
-    for column in ("labels", "label"):
-        if isinstance(first, dict) and column in first:
-            return np.asarray([int(dataset[i][column]) for i in range(len(dataset))])
-    return None
 
 
 class ZOByzantineTrainer(Trainer):
@@ -102,17 +85,12 @@ class ZOByzantineTrainer(Trainer):
             decay = set(self.get_decay_parameter_names(opt_model))
             names = self.table.names
             groups = [
-                {
-                    "params": [p for n, p in zip(names, self.table.params, strict=True) if n in decay],
-                    "weight_decay": self.args.weight_decay,
-                },
-                {
-                    "params": [p for n, p in zip(names, self.table.params, strict=True) if n not in decay],
-                    "weight_decay": 0.0,
-                },
+                {"params": [p for n, p in zip(names, self.table.params, strict=True) if (n in decay) == wanted],
+                 "weight_decay": self.args.weight_decay if wanted else 0.0}
+                for wanted in (True, False)
             ]
             zo = self.args
-            self.check_dense_memory()
+            check_dense_memory(zo, self.table.numel)
             self.optimizer = ZOOptimizer(
                 self.table,
                 [g for g in groups if g["params"]],
@@ -128,48 +106,20 @@ class ZOByzantineTrainer(Trainer):
                 f"ZOByzantineTrainer applies its updates with ZOOptimizer, got {type(self.optimizer).__name__}."
             )
         self.zo_optimizer, self.table = self.optimizer, self.optimizer.table
-        zo = self.args
-        settings = Settings(
-            zo.zo_seed, zo.estimator, zo.zo_eps, zo.num_perturbations, zo.local_steps, zo.local_update,
-            zo.directions, zo.aggregation_space, zo.byzantine_bound(),
-        )
-        self.server = Server(settings, self.aggregator, self.table, self.attack)
+        self.server = Server(self.args.protocol_settings(), self.aggregator, self.table, self.attack)
         if self.ledger is None:
             self.ledger = Ledger(self.zo_optimizer)
         return self.optimizer
 
-    def check_dense_memory(self) -> None:
-        """R^d aggregation (FedAvg, FedZO) holds n x d float64 values: refuse before training if they do not fit."""
-        zo = self.args
-        if zo.estimator != "first_order" and zo.aggregation_space != "parameter":
-            return
-        need = 3 * zo.num_clients * self.table.numel * 8  # vectors, attacked copy, reconstruction
-        limit = zo.dense_memory_limit_gb
-        if limit is None:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30
-        if need > limit * 2**30:
-            raise ValueError(
-                f"Aggregating in R^d (estimator={zo.estimator!r}, aggregation_space={zo.aggregation_space!r}) needs "
-                f"about {need / 2**30:.1f} GiB for n={zo.num_clients} x d={self.table.numel}; "
-                f"dense_memory_limit_gb={limit:.1f}. "
-                "Use fewer clients, a smaller model (or a PEFT adapter), or raise dense_memory_limit_gb."
-            )
-
     def build_federation(self, dataset) -> Federation:
         """Partition ``dataset`` over the clients (seeded by ``zo_seed``)."""
         zo = self.args
-        labels = None if zo.partition == "iid" else _dataset_labels(dataset)
+        labels = None if zo.partition == "iid" else dataset_labels(dataset)
         parts = partition_dataset(
             zo.partition, len(dataset), zo.num_clients, zo.zo_seed, labels, zo.dirichlet_alpha, zo.min_client_examples
         )
-        return Federation(
-            parts,
-            zo.per_device_train_batch_size,
-            zo.num_byzantine,
-            zo.zo_seed,
-            zo.clients_per_round,
-            zo.byzantine_selection,
-        )
+        return Federation(parts, zo.per_device_train_batch_size, zo.num_byzantine, zo.zo_seed, zo.clients_per_round,
+                          zo.byzantine_selection)
 
     def get_train_dataloader(self) -> DataLoader:
         """One batch per round: ``per_device_train_batch_size`` examples of every participating client."""
@@ -222,8 +172,8 @@ class ZOByzantineTrainer(Trainer):
         local = self.federation.share(zo.process_index, zo.world_size)  # this process's clients
         ids = participants[local]
         if self.attack.flips_labels and byzantine[local].any():
-            inputs = self.flip_labels(model, inputs, byzantine[local].to(zo.device).repeat_interleave(
-                zo.per_device_train_batch_size))
+            rows = byzantine[local].to(zo.device).repeat_interleave(zo.per_device_train_batch_size)
+            inputs = flip_labels(inputs, rows, self.attack.num_classes or model_num_labels(model))
         model.eval()  # the clients' forwards run without dropout, as MeZO's
         lr = self.zo_optimizer.learning_rate()
         local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else lr
@@ -268,18 +218,6 @@ class ZOByzantineTrainer(Trainer):
             for i, c in enumerate(plan.participants)
         ]
 
-    def flip_labels(self, model, inputs: dict, rows: torch.Tensor) -> dict:
-        """Label flipping on the Byzantine clients' rows: ``y -> C - 1 - y`` (ignored labels kept)."""
-        labels = inputs.get("labels")
-        if labels is None or labels.dim() != 1:
-            raise ValueError("attack='lf' needs class labels of shape [batch] in the inputs.")
-        classes = (self.attack.num_classes or getattr(model, "num_labels", None)
-                   or getattr(getattr(model, "config", None), "num_labels", None))
-        if not classes:
-            raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
-        flipped = torch.where(rows & (labels >= 0), classes - 1 - labels, labels)
-        return {**inputs, "labels": flipped}
-
     @staticmethod
     def _empty_window() -> dict:
         return {**dict.fromkeys(WINDOW_KEYS, 0), "diagnostics": {}}
@@ -302,27 +240,12 @@ class ZOByzantineTrainer(Trainer):
 
     # ----- logs, communication, checkpoints ---------------------------------------------------
 
-    def communication(self) -> dict[str, float]:
-        """Scalars and bytes per client per round, cumulative bytes, beside dense FedAvg (d each way)."""
-        d, clients, rounds = self.table.numel, self.federation.clients_per_round, self.state.global_step
-        up, down = self.server.scalars_per_client(clients)
-        return {
-            "uplink_scalars_per_client": up,
-            "uplink_bytes_per_client": up * BYTES_PER_SCALAR,
-            "downlink_scalars_per_client": down,
-            "downlink_bytes_per_client": down * BYTES_PER_SCALAR,
-            "fedavg_bytes_per_client": d * BYTES_PER_SCALAR,
-            "uplink_bytes_total": rounds * clients * up * BYTES_PER_SCALAR,
-            "downlink_bytes_total": rounds * clients * down * BYTES_PER_SCALAR,
-            "fedavg_uplink_bytes_total": rounds * clients * d * BYTES_PER_SCALAR,
-        }
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Training logs: honest loss, communication, skipped rounds, non-finite values; no ``grad_norm``."""
         logs.pop("grad_norm", None)
         window = self._window
         if "loss" in logs and window["rounds"] and self.table is not None:
-            logs.update(self.communication())
+            logs.update(self.server.communication(self.federation.clients_per_round, self.state.global_step))
             applied = max(window["rounds"] - window["skipped_rounds"], 1)
             for name in ("skipped_rounds", "nonfinite_values", "rejected_reports"):
                 logs[name] = int(window[name])
