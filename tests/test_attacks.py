@@ -173,18 +173,28 @@ def test_label_flipping_changes_only_byzantine_labels(tmp_path):
     )
     with pytest.raises(ValueError, match="num_classes"):
         trainer.train()
-    trainer = make_trainer(
-        LogisticRegression(),
-        VectorDataset(128),
-        tmp_path,
-        num_clients=4,
-        num_byzantine=1,
-        attack="lf",
-        attack_kwargs={"num_classes": 2},
-        max_steps=2,
-    )
-    trainer.train()
     rows = torch.tensor([True] * 4 + [False] * 12)
     labels = torch.tensor([0, 1] * 8)
     flipped = flip_labels({"labels": labels}, rows, 2)["labels"]
     assert flipped[:4].tolist() == [1, 0, 1, 0] and torch.equal(flipped[4:], labels[4:])
+
+
+def test_label_flipping_poisons_the_byzantine_reports_only(tmp_path):
+    """Same seed with and without LF: round 0's honest loss is the same (honest data untouched), the
+    aggregate differs (the Byzantine client's report was computed on flipped labels), and over training
+    the flipped client slows the mean's progress on the honest loss."""
+    runs = {}
+    for attack in ("none", "lf"):
+        torch.manual_seed(0)
+        model = LogisticRegression()
+        trainer = make_trainer(model, VectorDataset(256), tmp_path / attack, num_clients=4, num_byzantine=1,
+                               attack=attack, attack_kwargs={"num_classes": 2} if attack == "lf" else {},
+                               max_steps=40, learning_rate=0.2, num_perturbations=4, per_device_train_batch_size=16,
+                               logging_steps=1)
+        trainer.train()
+        runs[attack] = (trainer, dataset_loss(model, VectorDataset(256)))
+    clean, poisoned = runs["none"][0], runs["lf"][0]
+    assert clean.state.log_history[0]["loss"] == poisoned.state.log_history[0]["loss"]
+    assert clean.ledger.rounds[0]["seeds"] == poisoned.ledger.rounds[0]["seeds"]
+    assert clean.ledger.rounds[0]["coefficients"] != poisoned.ledger.rounds[0]["coefficients"]
+    assert runs["lf"][1] > runs["none"][1]
