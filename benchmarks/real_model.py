@@ -34,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer  # noqa: E402
+from zo_byzantine.features import FeatureHead, Features, collate_features, embed, mean_pool, standardize  # noqa: E402
 from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 from zo_byzantine.tasks import load_local_split, load_task, sample, sample_per_class  # noqa: E402
 
@@ -49,52 +50,12 @@ def minilm_path() -> str:
     return str(get_model_path())
 
 
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``h = sum_t m_t h_t / sum_t m_t``: the sentence-transformers pooling."""
-    mask = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * mask).sum(1) / mask.sum(1)
-
-
-@torch.no_grad()
-def embed(texts: list[str], batch: int = 64) -> torch.Tensor:
+def embed_texts(texts: list[str]) -> torch.Tensor:
     """Mean-pooled all-MiniLM-L6-v2 embeddings of ``texts``, frozen encoder."""
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path()).eval()
-    out = []
-    for start in range(0, len(texts), batch):
-        enc = tokenizer(texts[start : start + batch], padding=True, truncation=True, max_length=MAX_LENGTH,
-                        return_tensors="pt")
-        out.append(mean_pool(encoder(**enc).last_hidden_state, enc["attention_mask"]))
-    return torch.cat(out)
-
-
-class Features(torch.utils.data.Dataset):
-    def __init__(self, x, y):
-        self.x, self.labels = x, torch.tensor(y)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.labels[i]}
-
-
-class Head(nn.Module):
-    """``logits = W h + b`` on the frozen sentence embedding ``h``."""
-
-    def __init__(self, dim: int, classes: int):
-        super().__init__()
-        self.classifier = nn.Linear(dim, classes)
-        self.num_labels = classes
-
-    def forward(self, x, labels=None):
-        logits = self.classifier(x)
-        return {"logits": logits, "loss": None if labels is None else nn.functional.cross_entropy(logits, labels)}
-
-
-def collate(items):
-    return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
+    tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
+    return embed(encoder, tokenizer, texts, MAX_LENGTH)
 
 
 def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, seed: int):
@@ -106,12 +67,10 @@ def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, 
     else:
         train = sample_per_class(train, per_class, spec.num_labels, seed)
     dev = sample(load_local_split(spec, data_dir, "eval"), dev_size, seed)
-    xs = embed([e["text_a"] for e in train] + [e["text_a"] for e in dev])
-    mean, std = xs[: len(train)].mean(0), xs[: len(train)].std(0)
-    xs = (xs - mean) / std
-    features = (Features(xs[: len(train)], [e["label"] for e in train]),
-                Features(xs[len(train) :], [e["label"] for e in dev]))
-    return train, dev, features, spec
+    xs = embed_texts(list(train["text_a"]) + list(dev["text_a"]))
+    xs = torch.cat(standardize(xs[: len(train)], xs[len(train) :]))
+    features = (Features(xs[: len(train)], list(train["label"])), Features(xs[len(train) :], list(dev["label"])))
+    return train.to_list(), dev.to_list(), features, spec  # rows as dicts: first_order_full slices lists of rows
 
 
 def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
@@ -124,9 +83,9 @@ def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
         eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every, save_strategy="no", report_to=[],
         disable_tqdm=True, remove_unused_columns=False, seed=seed, per_device_eval_batch_size=1000,
     )
-    model = Head(train.x.shape[1], spec.num_labels)
+    model = FeatureHead(train.x.shape[1], spec.num_labels)
     trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev,
-                                 data_collator=collate, compute_metrics=compute_metrics_fn(["accuracy"]))
+                                 data_collator=collate_features, compute_metrics=compute_metrics_fn(["accuracy"]))
     start_acc = trainer.evaluate()["eval_accuracy"]
     began = time.perf_counter()
     trainer.train()
@@ -141,7 +100,7 @@ def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
 def first_order_head(train, dev, spec, seed, epochs=300):
     """The same head, backprop, centralised, full-batch AdamW; best validation accuracy."""
     torch.manual_seed(seed)
-    model = Head(train.x.shape[1], spec.num_labels)
+    model = FeatureHead(train.x.shape[1], spec.num_labels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-4)
     best = 0.0
     for _ in range(epochs):

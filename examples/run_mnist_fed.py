@@ -41,6 +41,10 @@ def read_idx(path: str) -> np.ndarray:
     raise ValueError(f"{path}: not an IDX image (2051) or label (2049) file (magic {magic}).")
 
 
+FILES = tuple(f"{prefix}-{kind}-idx{dim}-ubyte.gz" for prefix in ("train", "t10k")
+              for kind, dim in (("images", 3), ("labels", 1)))
+
+
 class MNIST(torch.utils.data.Dataset):
     """Flattened images, ``(x / 255 - 0.1307) / 0.3081`` when ``normalize`` else ``x / 255``."""
 
@@ -82,6 +86,11 @@ def collate(items):
 class MnistArguments:
     data_dir: str = field(default="../shared/data/mnist", metadata={"help": "Folder with the four IDX .gz files."})
     normalize: bool = field(default=True, metadata={"help": "(x/255 - 0.1307)/0.3081; else x/255."})
+
+    def __post_init__(self):
+        missing = [f for f in FILES if not os.path.isfile(os.path.join(self.data_dir, f))]
+        if missing:
+            raise ValueError(f"data_dir={self.data_dir!r} lacks the MNIST files {missing} (IDX, gzip).")
 
 
 @dataclass

@@ -105,22 +105,19 @@ def test_json_kwargs_are_parsed(tmp_path):
     assert args.zo_seed == args.seed
 
 
-def test_partition_problems_fail_before_training(tmp_path):
-    trainer = make_trainer(LogisticRegression(), VectorDataset(16), tmp_path, num_clients=4, min_client_examples=5)
+def test_partition_problems_fail_at_construction_before_any_evaluation(tmp_path):
     with pytest.raises(ValueError, match="too few for num_clients=4"):
-        trainer.train()
-    trainer = make_trainer(
-        LogisticRegression(),
-        VectorDataset(64),
-        tmp_path,
-        num_clients=8,
-        partition="dirichlet",
-        dirichlet_alpha=0.01,
-        min_client_examples=6,
-    )
+        make_trainer(LogisticRegression(), VectorDataset(16), tmp_path, num_clients=4, min_client_examples=5)
     with pytest.raises(ValueError, match="min_client_examples=6"):
-        trainer.train()
-    assert trainer.state.global_step == 0
+        make_trainer(LogisticRegression(), VectorDataset(64), tmp_path, num_clients=8, partition="dirichlet",
+                     dirichlet_alpha=0.01, min_client_examples=6)
+    with pytest.raises(ValueError, match="attack='lf' needs the number of classes"):
+        make_trainer(LogisticRegression(), VectorDataset(64), tmp_path, num_byzantine=1, attack="lf")
+    with pytest.raises(ValueError, match="num_classes=2 but the training set has label 2"):
+        data = VectorDataset(64)
+        data.y[0] = 2
+        make_trainer(LogisticRegression(), data, tmp_path, num_byzantine=1, attack="lf",
+                     attack_kwargs={"num_classes": 2})
 
 
 def test_trainer_needs_zo_arguments(tmp_path):

@@ -93,3 +93,21 @@ def test_evaluate_predict_and_save_model_work(tmp_path):
     assert predictions.predictions.shape == (64, 2)
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / LEDGER_NAME).is_file()
+
+
+def test_resume_keeps_a_replayable_ledger_and_refuses_a_checkpoint_without_one(tmp_path):
+    run = make_trainer(_model(), VectorDataset(128), tmp_path / "b",
+                       **{**SETTINGS, "save_strategy": "steps", "save_steps": 4})
+    run.train()
+    checkpoint = tmp_path / "b" / "checkpoint-4"
+    torch.manual_seed(123)
+    fresh = LogisticRegression()  # another initialisation: the checkpoint's weights replace it
+    trainer = make_trainer(fresh, VectorDataset(128), tmp_path / "c", **SETTINGS)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    start = _model()  # the run's true start: the resumed ledger still replays from it, bitwise
+    replay(start, trainer.ledger.to_dict())
+    assert_same_weights(state(start), state(fresh))
+    os.remove(checkpoint / LEDGER_NAME)
+    again = make_trainer(_model(), VectorDataset(128), tmp_path / "d", **SETTINGS)
+    with pytest.raises(LedgerError, match="has no zo_ledger.json"):
+        again.train(resume_from_checkpoint=str(checkpoint))

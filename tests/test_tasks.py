@@ -3,13 +3,14 @@
 import collections
 import os
 
+import datasets
 import pytest
 import torch
 from prompt_helpers import DATA, byte_bpe, tiny_bert_mlm, tiny_gpt2_lm, wordpiece
 
 from zo_byzantine.metrics import compute_metrics_fn
 from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
-from zo_byzantine.tasks import _to_examples, available_tasks, load_local_split, load_task, sample_per_class
+from zo_byzantine.tasks import _to_examples, available_tasks, load_local_split, load_task, sample, sample_per_class
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,15 @@ def test_loaders_read_every_file_with_the_published_counts(task, filename):
     spec = load_task(task)
     examples = load_local_split(spec, os.path.join(DATA, task), "train", filename)
     rows, labels = COUNTS[(task, filename)]
+    assert isinstance(examples, datasets.Dataset) and examples.column_names == ["text_a", "text_b", "label"]
+    assert examples.features["label"] == datasets.ClassLabel(names=spec.labels)  # class order = the spec's
     assert len(examples) == rows
-    assert collections.Counter(spec.labels[e["label"]] for e in examples) == labels
-    assert all(e["text_a"] for e in examples)
+    assert collections.Counter(examples.features["label"].int2str(list(examples["label"]))) == labels
+    assert all(examples["text_a"])
     if task in ("rte", "snli", "mnli"):
-        assert all(e["text_b"] for e in examples)
+        assert all(examples["text_b"])
+    else:
+        assert set(examples["text_b"]) == {None}
 
 
 def test_same_example_from_two_sources_gets_the_same_label_word():
@@ -190,8 +195,56 @@ def test_bad_input_fails_clearly(tmp_path):
 def test_sampling_is_seeded_and_balanced():
     examples = load_local_split(load_task("sst2"), os.path.join(DATA, "sst2"), "eval")
     a, b = sample_per_class(examples, 16, 2, seed=3), sample_per_class(examples, 16, 2, seed=3)
-    assert a == b and collections.Counter(e["label"] for e in a) == {0: 16, 1: 16}
-    assert sample_per_class(examples, 16, 2, seed=4) != a
+    assert isinstance(a, datasets.Dataset) and a.features == examples.features
+    assert a.to_list() == b.to_list() and collections.Counter(a["label"]) == {0: 16, 1: 16}
+    assert list(a["label"]) != sorted(a["label"])  # the classes are mixed, not one block after the other
+    assert sample_per_class(examples, 16, 2, seed=4).to_list() != a.to_list()
+    everything = {(e["text_a"], e["label"]) for e in examples}
+    assert all((e["text_a"], e["label"]) in everything for e in a) and len(set(a["text_a"])) == 32
+    # sample: n drawn without replacement, the same for the same seed; None (or more than there are): all, shuffled
+    c, d = sample(examples, 100, seed=3), sample(examples, 100, seed=3)
+    assert len(c) == 100 and c.to_list() == d.to_list() and c.to_list() != sample(examples, 100, seed=4).to_list()
+    assert len(set(c["text_a"])) == 100 and c.features == examples.features
+    shuffled = sample(examples, None, seed=3)
+    assert len(shuffled) == len(examples) and list(shuffled["text_a"]) != list(examples["text_a"])
+    assert sorted(shuffled["text_a"]) == sorted(examples["text_a"])
+    assert sample(examples, 10**6, seed=3).to_list() == shuffled.to_list()
+
+
+def test_local_files_load_in_memory_without_writing_next_to_the_data(tmp_path):
+    """The csv builder reads the file (quoting off for TSV, a field starting with a quote kept as is); labels
+    that map to null are dropped; nothing is cached in the data directory."""
+    spec = load_task("snli")
+    row = ["1", "c", "p", "b1", "b2", "p1", "p2", '"Quoted premise ', " hypothesis", "neutral"]
+    lines = ["\t".join(row + ["neutral"]), "\t".join(row[:-1] + ["-", "x", "y", "z", "-"]),
+             "\t".join(row[:-1] + ["contradiction", "a", "b", "c", "entailment"])]
+    (tmp_path / "train_subset.tsv").write_text("\t".join(f"h{i}" for i in range(11)) + "\n" + "\n".join(lines) + "\n")
+    examples = load_local_split(spec, str(tmp_path), "train")
+    assert examples.to_list() == [
+        {"text_a": '"Quoted premise', "text_b": "hypothesis", "label": spec.labels.index("neutral")},
+        {"text_a": '"Quoted premise', "text_b": "hypothesis", "label": spec.labels.index("entailment")},
+    ]  # the last field is the label, also in rows longer than the header; "-" is dropped
+    assert sorted(os.listdir(tmp_path)) == ["train_subset.tsv"]
+    trec = load_task("trec")
+    (tmp_path / "train.csv").write_text('0,"What is a, b ?"\n5,How many ?\n')
+    assert list(load_local_split(trec, str(tmp_path), "train")["text_a"]) == ["What is a, b ?", "How many ?"]
+    (tmp_path / "train.csv").write_text("0,fine\n1,an unquoted, comma\n")
+    with pytest.raises(ValueError, match=r"train\.csv cannot be read as csv: .*Expected 2 fields in line 2, saw 3"):
+        load_local_split(trec, str(tmp_path), "train")
+    (tmp_path / "train.csv").write_text("0\n")
+    with pytest.raises(ValueError, match=r"train\.csv: missing column 1"):
+        load_local_split(trec, str(tmp_path), "train")
+    (tmp_path / "dev.jsonl").write_text('{"premise": "p", "hypothesis": "h", "label": "neutral"}\n'
+                                        '{"premise": "p", "label": "neutral"}\n')
+    with pytest.raises(ValueError, match=r"dev\.jsonl row 2: missing column 'text_b'"):
+        load_local_split(spec, str(tmp_path), "eval")
+    (tmp_path / "dev.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"dev\.jsonl is empty"):
+        load_local_split(spec, str(tmp_path), "eval")
+    sst2 = load_task("sst2")  # the "label space text" format: the text builder, the label split off by map
+    (tmp_path / "sst_test.txt").write_text("1 a fine film .\n\n0 dull\n")
+    assert load_local_split(sst2, str(tmp_path), "eval", "sst_test.txt").to_list() == [
+        {"text_a": "a fine film .", "text_b": None, "label": 1}, {"text_a": "dull", "text_b": None, "label": 0}]
 
 
 def test_metrics_load_offline_and_match_hand_computation(monkeypatch):

@@ -6,6 +6,13 @@ vectors of which ``f`` may be Byzantine (``ctx.num_vectors``, ``ctx.num_byzantin
 call, so a rule built once works for any number of reports). A pre-aggregation step is a
 :class:`PreAggregator`: ``step(vectors, ctx) -> Tensor[m', nu]``. :class:`Chain` composes steps and a
 rule into a rule. Register with ``@register_aggregator("name")`` / ``@register_pre_aggregator("name")``.
+
+Robustness bounds (documented per rule; ``tests/test_robustness.py`` checks them on sanitised, hence finite,
+inputs): with ``h >= m - f`` honest vectors ``H`` and at most ``f`` Byzantine ones of any finite size,
+``hbar`` the honest mean, ``R = max_H ||v - hbar||``, ``D`` the honest diameter, ``[lo, hi]`` the honest
+per-coordinate range and ``w = max(hi - hbar, hbar - lo)`` (``||w|| <= sqrt(nu) R``), every rule's but the mean's
+output stays within a distance of ``hbar`` (or a box) that depends on these only, never on the Byzantine
+values; every output is finite.
 """
 
 from __future__ import annotations
@@ -45,12 +52,56 @@ def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
     A matrix product, ~8x faster than direct differences at n = 40, d = 7,850. In float64 the
     cancellation error of ``D[i, j]`` is ~1e-16 (||v_i||^2 + ||v_j||^2): it involves rows i and j
     only (a huge Byzantine row does not blur the honest distances), and integer data stay exact
-    (ties stay ties). Returned in the input's dtype.
+    (ties stay ties). A row whose ``||v_i||^2`` exceeds a quarter of the float64 range (entries of
+    ~1e154 and more, where the Gram form could give ``inf - inf = nan``) gets its distances from direct
+    differences instead: ``D`` is never NaN for finite input, ``inf`` only where the true value
+    overflows. Returned in the input's dtype (distances beyond its range become ``inf``: far).
     """
     wide = vectors.double()
     gram = wide @ wide.T
     norms = gram.diagonal()
-    return (norms[:, None] + norms[None, :] - 2 * gram).clamp_min_(0).fill_diagonal_(0).to(vectors.dtype)
+    dist = norms[:, None] + norms[None, :] - 2 * gram
+    huge = ~(norms <= torch.finfo(torch.float64).max / 4)  # also catches nan norms
+    if bool(huge.any()):
+        for i in huge.nonzero().flatten().tolist():
+            row = (wide - wide[i]).square().sum(dim=1)
+            dist[i], dist[:, i] = row, row
+        dist.masked_fill_(dist.isnan(), math.inf)  # non-finite input only
+    return dist.clamp_min_(0).fill_diagonal_(0).to(vectors.dtype)
+
+
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i||`` per row, as ``x.norm(dim=1)``; a row whose sum of squares overflows is rescaled by its
+    largest entry (``s ||x_i / s||``), so a norm is ``inf`` only where the true norm exceeds the dtype."""
+    norms = x.norm(dim=1)
+    over = torch.isinf(norms)
+    if bool(over.any()):
+        rows = x[over]
+        scale = rows.abs().amax(dim=1)
+        rescaled = scale * (rows / scale[:, None]).norm(dim=1)
+        norms[over] = torch.where(torch.isfinite(scale), rescaled, math.inf)
+    return norms
+
+
+def _clip_factors(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``min(1, c / ||x_i||)`` per row without overflow: rows with an overflowing norm use
+    ``(c / s) / ||x_i / s||``, ``s`` their largest entry (so huge rows are clipped to norm c, not zeroed)."""
+    norms = x.norm(dim=1)
+    factors = (c / norms.clamp_min(1e-300)).clamp(max=1.0)
+    over = torch.isinf(norms)
+    if bool(over.any()):
+        rows = x[over]
+        scale = rows.abs().amax(dim=1)
+        factors[over] = ((c / scale) / (rows / scale[:, None]).norm(dim=1)).clamp(max=1.0)
+    return factors
+
+
+def _rescaled_mean(rows: torch.Tensor) -> torch.Tensor:
+    """Mean of finite rows whose plain mean overflowed: ``s mean(rows / s)``, ``s`` the largest entry,
+    clamped to the dtype's range (where the exact mean lies)."""
+    scale = rows.abs().amax().clamp_min(torch.finfo(rows.dtype).tiny)
+    big = torch.finfo(rows.dtype).max
+    return (scale * (rows / scale).mean(dim=0)).clamp(-big, big)
 
 
 def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
@@ -124,6 +175,9 @@ class CWTM(Rule):
     largest values, average the ``m - 2k`` left; ``k = f`` (``k = floor(beta m)`` when ``beta`` is set).
     Diagnostics: ``byzantine_values_kept``, Byzantine (client, coordinate) values among the averaged.
 
+    Bound (``k >= f``): per coordinate at most ``k`` values lie below the honest minimum (or above the
+    maximum), so all kept values, and their mean, lie in the honest range ``[lo, hi]``.
+
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=3, num_byzantine=1)
     >>> CWTM()(torch.tensor([[2.0, 2, 0], [0, -1, -1], [4, 0, -4]]), ctx).value
     tensor([ 2.,  0., -1.])
@@ -159,6 +213,9 @@ class CWTM(Rule):
 @register_aggregator("median")
 class Median(Rule):
     """Coordinate-wise median (mean of the two middle values for even m).
+
+    Bound: with ``2f < m`` each middle value has at least one honest value on either side (or is honest),
+    so the output lies in the honest range ``[lo, hi]`` per coordinate.
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
     >>> Median()(torch.tensor([[1.0, 5.0], [2.0, 7.0], [9.0, 6.0], [4.0, 0.0]]), ctx).value
@@ -212,6 +269,11 @@ class Krum(_KrumFamily):
     the ``m - f - 2`` nearest others; ``squared=False`` uses plain distances (paper 004). ``f`` defaults to
     the context's. Diagnostics: ``byzantine_selected`` (0 or 1).
 
+    Bound: ``||out - hbar|| <= R + sqrt(m - f - 2) D`` (``R + (m - f - 2) D`` with ``squared=False``): the
+    selected score is at most an honest vector's (``<= (m - f - 2) D^2``), and its ``m - f - 2 > f - 1``
+    nearest include an honest vector, which it is thus within ``sqrt(m - f - 2) D`` of. Distances are never
+    NaN (see ``_pairwise_sq_distances``), so a Byzantine score is never NaN either (argmin would pick it).
+
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=5, num_byzantine=1)
     >>> Krum()(torch.tensor([[0.0], [0.1], [0.2], [0.3], [50.0]]), ctx).value
     tensor([0.1000])
@@ -228,6 +290,10 @@ class Krum(_KrumFamily):
 class MultiKrum(_KrumFamily):
     """Multi-Krum: mean of the ``m_sel`` vectors with the lowest Krum scores (``m`` sets ``m_sel``; it
     defaults to ``m - f`` of the vectors received). Diagnostics: ``byzantine_selected``.
+
+    Bound (default ``m_sel = m - f <= h``): every selected score is at most the largest of the ``h`` honest
+    scores, so, as for Krum, each selected vector and their mean lie within ``R + sqrt(m - f - 2) D`` of
+    ``hbar`` (``R + (m - f - 2) D`` with ``squared=False``).
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=6, num_byzantine=1)
     >>> MultiKrum(m=2)(torch.tensor([[0.0], [1.0], [3.0], [4.0], [10.0], [11.0]]), ctx).value
@@ -257,8 +323,17 @@ class MultiKrum(_KrumFamily):
 @register_aggregator("geomed")
 class GeoMed(Rule):
     """Geometric median ``argmin_z sum_i ||v_i - z||`` by smoothed Weiszfeld iterations:
-    ``z <- sum_i a_i v_i / sum_i a_i``, ``a_i = 1 / max(eps, ||v_i - z||)``, from the mean, until
-    ``||z_new - z|| <= tol * max(1, ||z||)`` or ``max_iter``.
+    ``z <- sum_i a_i v_i / sum_i a_i``, ``a_i = 1 / max(eps, ||v_i - z||)`` (``a_i = 0`` where the distance
+    overflows), from ``z_0`` = the coordinate-wise trimmed mean dropping ``f`` values per side (the mean when
+    ``f = 0``), until ``||z_new - z|| <= tol * max(1, ||z||)`` or ``max_iter`` (a non-finite update stops).
+    Where ``z`` lies within ``eps`` of ``k`` inputs although the others pull harder (``r = ||sum_far a_i (v_i
+    - z)|| > k``: ``z`` is not optimal), those ``k`` get ``S_far / (r - k)`` (the Vardi-Zhang step) clamped to
+    ``[1 / min_far ||v_i - z||, 1 / eps]`` instead of ``1 / eps``: the iterations leave the data point.
+
+    Bound: ``||out - hbar|| <= max(||w||, eps, R m / (m - 2f))``. ``z_0`` lies in the honest range, so
+    ``||z_0 - hbar|| <= ||w||``; a step maps ``B(hbar, rho)`` into itself for ``rho >= max(eps, R (h + b) / (h -
+    b))``, b Byzantine: as ``a_i ||v_i - z|| <= 1`` (or ``a_i <= 1 / eps``) each pulls by at most ``1 / sum_i
+    a_i``, and honest weights are ``>= 1 / (rho + R)``.
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
     >>> GeoMed()(torch.tensor([[1.0, 1], [1, -1], [-1, 1], [-1, -1]], dtype=torch.float64), ctx).value
@@ -277,11 +352,29 @@ class GeoMed(Rule):
         if 2 * f >= m:
             raise _sizing("geomed", "needs 2f < m", m, f)
 
+    def _weights(self, vectors: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The ``a_i`` at ``z`` (see the class docstring)."""
+        dist = _row_norms(vectors - z)
+        weights = 1.0 / dist.clamp_min(self.eps)  # 1 / inf = 0, and no 0 * inf below: the vectors are finite
+        near = dist < self.eps
+        if bool(near.any()) and not bool(near.all()):
+            far, k = ~near, int(near.sum())
+            pull = float(((vectors[far] - z) * weights[far, None]).sum(dim=0).norm())
+            if pull > k:
+                total = weights[far].sum()
+                share = (total / (pull - k)).clamp(float(1.0 / dist[far].min()), 1.0 / self.eps)
+                weights = torch.where(near, share, weights)
+        return weights
+
     def aggregate(self, vectors, ctx):
-        z = vectors.mean(dim=0)
+        f, m = ctx.num_byzantine, len(vectors)
+        # a robust start: the mean would follow a huge Byzantine vector (and the iterations from there)
+        z = vectors.mean(dim=0) if f == 0 else vectors.sort(dim=0).values[f : m - f].mean(dim=0)
         for _ in range(self.max_iter):
-            weights = 1.0 / (vectors - z).norm(dim=1).clamp_min(self.eps)
+            weights = self._weights(vectors, z)
             new = (weights[:, None] * vectors).sum(dim=0) / weights.sum()
+            if not bool(torch.isfinite(new).all()):
+                break
             done = (new - z).norm() <= self.tol * max(1.0, float(z.norm()))
             z = new
             if done:
@@ -293,6 +386,9 @@ class GeoMed(Rule):
 class CClip(Rule):
     """Centred clipping (Karimireddy et al. 2021): from ``c`` = the coordinate-wise median,
     ``iters`` times ``c <- c + (1/m) sum_i clip_tau(v_i - c)``, ``clip_tau(x) = x min(1, tau/||x||)``.
+
+    Bound: ``||out - hbar|| <= ||w|| + iters tau``: the median lies in the honest range, and each iteration
+    moves the centre by at most ``tau`` (a mean of vectors of norm ``<= tau``, computed without overflow).
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
     >>> CClip(tau=1.0, iters=1)(torch.tensor([[0.0], [0.0], [0.0], [10.0]]), ctx).value
@@ -315,8 +411,7 @@ class CClip(Rule):
         centre = coordinate_median(vectors)
         for _ in range(self.iters):
             diff = vectors - centre
-            scale = (self.tau / diff.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
-            centre = centre + (diff * scale[:, None]).mean(dim=0)
+            centre = centre + (diff * _clip_factors(diff, self.tau)[:, None]).mean(dim=0)
         return Aggregation(centre, {})
 
 
@@ -327,6 +422,10 @@ class CClip(Rule):
 class NNM(PreAggregator):
     """Nearest-neighbour mixing (Allouah et al. 2023): ``v_i <- mean of the m - f vectors nearest v_i``
     (itself included, Euclidean distance).
+
+    Bound: an honest ``v_i`` has ``h >= m - f`` vectors within ``D``, so its ``m - f`` neighbours are; ``>= m - 2f``
+    are honest (within ``R`` of hbar), so the honest outputs lie in ``B(hbar, R + f D / (m - f))`` and within
+    ``f D / (m - f)`` of ``[lo, hi]`` per coordinate: the rule after it applies its bound to these.
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=4, num_byzantine=1)
     >>> NNM()(torch.tensor([[0.0], [1.0], [2.0], [10.0]]), ctx).squeeze(1)
@@ -345,13 +444,21 @@ class NNM(PreAggregator):
         nearest = _pairwise_sq_distances(vectors).argsort(dim=1, stable=True)[:, :keep]
         # the means as one product: row i of ``weights`` holds 1/keep at v_i's neighbours, 0 elsewhere
         weights = torch.zeros(len(vectors), len(vectors), dtype=vectors.dtype, device=vectors.device)
-        return weights.scatter_(1, nearest, 1.0 / keep) @ vectors
+        mixed = weights.scatter_(1, nearest, 1.0 / keep) @ vectors
+        overflowed = ~torch.isfinite(mixed).all(dim=1)  # huge (Byzantine) rows summed past the dtype's range
+        if bool(overflowed.any()):
+            for i in overflowed.nonzero().flatten().tolist():
+                mixed[i] = _rescaled_mean(vectors[nearest[i]])
+        return mixed
 
 
 @register_pre_aggregator("bucketing")
 class Bucketing(PreAggregator):
     """Bucketing (Karimireddy et al. 2022): shuffle (seeded by the round key), average buckets of ``s``.
-    A Byzantine vector spoils at most one bucket: ``f`` stays the bound on ``ceil(m / s)`` buckets."""
+    A Byzantine vector spoils at most one bucket: ``f`` stays the bound on ``ceil(m / s)`` buckets.
+
+    Bound: a clean bucket's mean lies in the honest convex hull (within ``R`` of hbar, in ``[lo, hi]``,
+    diameter ``<= D``), so the rule's bound holds with the same ``hbar, R, D`` and ``m' = ceil(m / s)``."""
 
     name = "bucketing"
     keeps_rows = False
@@ -364,12 +471,21 @@ class Bucketing(PreAggregator):
 
     def transform(self, vectors, ctx):
         order = torch.as_tensor(ctx.rng(seeds.BUCKETING).permutation(len(vectors)), device=vectors.device)
-        return torch.stack([chunk.mean(dim=0) for chunk in vectors[order].split(self.s)])
+        chunks = vectors[order].split(self.s)
+        means = torch.stack([chunk.mean(dim=0) for chunk in chunks])
+        overflowed = ~torch.isfinite(means).all(dim=1)
+        if bool(overflowed.any()):
+            for i in overflowed.nonzero().flatten().tolist():
+                means[i] = _rescaled_mean(chunks[i])
+        return means
 
 
 @register_pre_aggregator("clip")
 class Clip(PreAggregator):
-    """Static clipping: ``v_i <- v_i min(1, c / ||v_i||)``.
+    """Static clipping: ``v_i <- v_i min(1, c / ||v_i||)`` (huge rows too are scaled to norm ``c``).
+
+    Bound: every output has norm ``<= c``; clipping is the projection onto ``B(0, c)``, 1-Lipschitz, so the
+    honest outputs stay within ``R`` of ``clip(hbar)`` with diameter ``<= D``.
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=2, num_byzantine=0)
     >>> Clip(c=2.0)(torch.tensor([[3.0, 4.0], [0.6, 0.8]]), ctx)
@@ -385,13 +501,14 @@ class Clip(PreAggregator):
         self.c = c
 
     def transform(self, vectors, ctx):
-        return vectors * (self.c / vectors.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)[:, None]
+        return vectors * _clip_factors(vectors, self.c)[:, None]
 
 
 class Chain(Rule):
     """``Chain(steps, rule)(v, ctx) = rule(step_k(...step_1(v)))``: a composed rule is itself a rule.
 
-    Each step and the rule are checked against the number of vectors the previous one leaves."""
+    Each step and the rule are checked against the number of vectors the previous one leaves. Bounds
+    compose: each step documents where it leaves the honest vectors, the rule's bound applies to those."""
 
     def __init__(self, steps: Sequence[PreAggregator], rule: Rule):
         for step in steps:

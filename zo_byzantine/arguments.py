@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
+import math
+from dataclasses import MISSING, dataclass, field
 from typing import Literal, get_args
 
 from transformers import TrainingArguments
 
-from .aggregators import AGGREGATORS, PRE_AGGREGATORS, Chain, build_aggregator, parse_step
+from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
-from .context import SizingError
+from .checks import check_sizing
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
 from .messages import LOCAL_UPDATES
@@ -37,6 +37,58 @@ assert set(get_args(ServerOptimizer)) == set(SERVER_OPTIMIZERS) and set(get_args
 
 def _names(registry) -> str:
     return ", ".join(registry.names())
+
+
+MAX_LEARNING_RATE = 100.0  # larger steps are refused as mistakes (ZO steps multiply Gaussian directions)
+MAX_ZO_EPS = 1.0  # a perturbation larger than 1 in parameter units measures no derivative
+
+
+def _integer(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}={value!r} must be an integer {accepted}.")
+
+
+def _real(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """A finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        accepted = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name}={value!r} must be a finite number in {accepted}.")
+
+
+# TrainingArguments fields the protocol replaces: refused (by name, with what to use) when set away from the default
+REPLACED = {
+    "optim": "the update is the protocol's ZOOptimizer; choose server_optimizer (sgd or amsgrad)",
+    "optim_args": "the update is the protocol's ZOOptimizer; see server_betas, server_eps, server_v0",
+    "adam_beta1": "no Adam: set server_betas for server_optimizer='amsgrad'",
+    "adam_beta2": "no Adam: set server_betas for server_optimizer='amsgrad'",
+    "adam_epsilon": "no Adam: set server_eps for server_optimizer='amsgrad'",
+    "max_grad_norm": "zeroth-order rounds have no gradient to clip; clip the clients' vectors with "
+                     "pre_aggregators=['clip:c=...'] (the default 1.0 is accepted and unused)",
+    "label_smoothing_factor": "the clients' losses are the model's per-example losses; smooth inside the model",
+    "torch_compile": "the perturbation swaps parameters per module call, which makes dynamo recompile every call "
+                     "(measured: 45 s instead of 0.9 s for 20 rounds); compile is not supported",
+    "group_by_length": "the federated sampler fixes each round's batch (B examples of every participant)",
+    "auto_find_batch_size": "per_device_train_batch_size is each client's batch B, part of the protocol",
+    "neftune_noise_alpha": "noise in the embeddings would differ between the +mu and -mu forwards",
+    "past_index": "rounds evaluate per-example losses only",
+    "deepspeed": "one device per process holds the whole model; sharded perturbation is not implemented",
+    "fsdp": "one device per process holds the whole model; sharded perturbation is not implemented",
+}
+
+
+def _refuse_replaced(args) -> None:
+    defaults = TrainingArguments.__dataclass_fields__
+    for name, reason in REPLACED.items():
+        field_ = defaults.get(name)
+        if field_ is None:
+            continue
+        default = field_.default if field_.default is not MISSING else field_.default_factory()
+        value = getattr(args, name)
+        unset = value in (None, "", [], False) and default in (None, "", [], False)
+        if value != default and not unset and not (name == "max_grad_norm" and value in (0, 0.0, None)):
+            raise ValueError(f"{name}={value!r} is not used by ZOByzantineTrainer: {reason}.")
 
 
 def _choice(name: str, value, accepted) -> None:
@@ -142,6 +194,8 @@ class ZOByzantineArguments(TrainingArguments):
     server_v0: float = field(default=1e-5, metadata={"help": "AMSGrad initial second moment."})
 
     def __post_init__(self):
+        self.validate_numbers()  # before TrainingArguments' own checks, whose messages would mislead
+        _refuse_replaced(self)
         super().__post_init__()
         for name in ("aggregator_kwargs", "attack_kwargs"):
             value = getattr(self, name)
@@ -155,10 +209,6 @@ class ZOByzantineArguments(TrainingArguments):
             setattr(self, name, value or {})
         if self.zo_seed is None:
             self.zo_seed = self.seed
-        betas = tuple(self.server_betas)
-        if len(betas) != 2 or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in betas):
-            raise ValueError(f"server_betas={self.server_betas!r}: two numbers (beta1, beta2), e.g. 0.9 0.99.")
-        self.server_betas = tuple(float(x) for x in betas)
         self.validate_protocol()
 
     def protocol_settings(self) -> Settings:
@@ -170,11 +220,43 @@ class ZOByzantineArguments(TrainingArguments):
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
         return self.num_byzantine if self.max_byzantine_per_round is None else self.max_byzantine_per_round
 
+    def validate_numbers(self) -> None:
+        """Every numeric field: its type and range, naming the field and what is accepted."""
+        _real("learning_rate", self.learning_rate, 0.0, MAX_LEARNING_RATE)
+        _real("weight_decay", self.weight_decay, 0.0, 1.0)
+        _integer("per_device_train_batch_size", self.per_device_train_batch_size, 1)
+        _integer("per_device_eval_batch_size", self.per_device_eval_batch_size, 1)
+        _integer("seed", self.seed, 0, 2**32 - 1)
+        for name in ("num_clients", "num_perturbations", "local_steps", "min_client_examples"):
+            _integer(name, getattr(self, name), 1)
+        _integer("num_byzantine", self.num_byzantine, 0)
+        _integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
+        for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 1 if name == "clients_per_round" else 0)
+        _real("zo_eps", self.zo_eps, 0.0, MAX_ZO_EPS, low_open=ESTIMATORS.get(self.estimator).uses_mu
+              if self.estimator in ESTIMATORS else True)
+        if self.local_learning_rate is not None:
+            _real("local_learning_rate", self.local_learning_rate, 0.0, MAX_LEARNING_RATE)
+        if isinstance(self.dirichlet_alpha, int | float) and self.dirichlet_alpha == math.inf:
+            raise ValueError("dirichlet_alpha=inf: for identically distributed clients use partition='iid'.")
+        _real("dirichlet_alpha", self.dirichlet_alpha, 0.0, low_open=True)
+        if self.dense_memory_limit_gb is not None:
+            _real("dense_memory_limit_gb", self.dense_memory_limit_gb, 0.0, low_open=True)
+        _real("server_eps", self.server_eps, 0.0, low_open=True)
+        _real("server_v0", self.server_v0, 0.0)
+        betas = self.server_betas
+        if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"server_betas={betas!r}: two numbers (beta1, beta2) in [0, 1), e.g. 0.9 0.99.")
+        for i, beta in enumerate(betas):
+            _real(f"server_betas[{i}]", beta, 0.0, 1.0)
+            if beta == 1.0:
+                raise ValueError(f"server_betas[{i}]=1.0 must be < 1 (the moment would never move).")
+        self.server_betas = tuple(float(x) for x in betas)
+
     def validate_protocol(self) -> None:
         """Raise ``ValueError`` naming the field and the accepted values for any invalid setting."""
         n, b = self.num_clients, self.num_byzantine
-        if n < 1:
-            raise ValueError(f"num_clients={n} must be >= 1.")
         if not 0 <= b or 2 * b >= n:
             raise ValueError(f"num_byzantine={b} must satisfy 0 <= b < num_clients/2 = {n / 2}.")
         if self.max_byzantine_per_round is not None and not 0 <= self.max_byzantine_per_round <= b:
@@ -185,24 +267,12 @@ class ZOByzantineArguments(TrainingArguments):
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= n:
             raise ValueError(f"clients_per_round={self.clients_per_round} must be in [1, num_clients={n}].")
         _choice("partition", self.partition, PARTITIONS)
-        if not self.dirichlet_alpha > 0:
-            raise ValueError(f"dirichlet_alpha={self.dirichlet_alpha} must be > 0.")
-        if self.min_client_examples < 1:
-            raise ValueError(f"min_client_examples={self.min_client_examples} must be >= 1.")
         _choice("estimator", self.estimator, ESTIMATORS.names())
-        if ESTIMATORS.get(self.estimator).uses_mu and not self.zo_eps > 0:
-            raise ValueError(f"zo_eps={self.zo_eps} must be > 0 for estimator={self.estimator!r}.")
-        if self.num_perturbations < 1:
-            raise ValueError(f"num_perturbations={self.num_perturbations} must be >= 1.")
         _choice("local_update", self.local_update, LOCAL_UPDATES)
-        if self.local_steps < 1:
-            raise ValueError(f"local_steps={self.local_steps} must be >= 1.")
         _choice("directions", self.directions, DIRECTIONS)
         _choice("zo_schedule", self.zo_schedule, SCHEDULES)
         _choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
         _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        if self.local_learning_rate is not None and self.local_learning_rate < 0:
-            raise ValueError(f"local_learning_rate={self.local_learning_rate} must be >= 0.")
         if self.estimator == "first_order" and (self.local_steps != 1 or self.aggregation_space != "projection"):
             raise ValueError(
                 "estimator='first_order' (FedAvg) runs with local_steps=1 and aggregates in R^d already; "
@@ -219,8 +289,6 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError("aggregation_space='parameter' does not combine with local_update='compressed'.")
         if self.server_optimizer == "amsgrad" and self.aggregation_space == "parameter":
             raise ValueError("server_optimizer='amsgrad' works on seeded updates (aggregation_space='projection').")
-        if self.zo_forward_batch_size < 0:
-            raise ValueError(f"zo_forward_batch_size={self.zo_forward_batch_size} must be >= 0 (0 = all at once).")
         _choice("aggregator", self.aggregator, AGGREGATORS.names())
         for step in self.pre_aggregators:
             _choice("pre_aggregators entry", parse_step(step)[0], PRE_AGGREGATORS.names())
@@ -235,36 +303,3 @@ class ZOByzantineArguments(TrainingArguments):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "
                 "federated round; accepted: 1 (set the clients' batch with per_device_train_batch_size)."
             )
-
-
-def check_sizing(args: ZOByzantineArguments, rule: Chain) -> None:
-    """Refuse a pipeline that cannot hold for the vectors of a round: ``m = clients_per_round`` (or ``n``)
-    vectors, ``f = min(max_byzantine_per_round or b, m)`` of them Byzantine."""
-    m = args.clients_per_round or args.num_clients
-    f = min(args.byzantine_bound(), m)
-    try:
-        rule.check(m, f)
-    except SizingError as err:
-        bound = f"max_byzantine_per_round={args.max_byzantine_per_round}" if args.max_byzantine_per_round is not None \
-            else f"num_byzantine={args.num_byzantine}"
-        raise ValueError(
-            f"aggregator={rule.name!r} cannot hold for the vectors of a round: clients_per_round="
-            f"{args.clients_per_round} (m={m} vectors), num_byzantine={args.num_byzantine}, bound f={f} ({bound}): "
-            f"{err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round (0 <= f <= b)."
-        ) from err
-
-
-def check_dense_memory(args: ZOByzantineArguments, d: int) -> None:
-    """R^d aggregation (FedAvg, FedZO) holds n x d float64 values: refuse before training if they do not fit."""
-    if args.estimator != "first_order" and args.aggregation_space != "parameter":
-        return
-    need = 3 * args.num_clients * d * 8  # vectors, attacked copy, reconstruction
-    limit = args.dense_memory_limit_gb
-    if limit is None:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30
-    if need > limit * 2**30:
-        raise ValueError(
-            f"Aggregating in R^d (estimator={args.estimator!r}, aggregation_space={args.aggregation_space!r}) needs "
-            f"about {need / 2**30:.1f} GiB for n={args.num_clients} x d={d}; dense_memory_limit_gb={limit:.1f}. "
-            "Use fewer clients, a smaller model (or a PEFT adapter), or raise dense_memory_limit_gb."
-        )

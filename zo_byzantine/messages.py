@@ -88,6 +88,7 @@ class Downlink:
     skipped: str | None = None
     loss: float = math.nan
     nonfinite: int = 0
+    participants: list[int] = field(default_factory=list)  # the clients whose reports entered the round
     received: int = 0
     rejected: int = 0
     diagnostics: list[dict] = field(default_factory=list)  # one dict per uplink

@@ -14,6 +14,8 @@ SPEC 4) on the pseudo-gradient ``h = local_lr * g``:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .perturbation import ParameterTable, Terms, apply_update, combination
@@ -37,6 +39,14 @@ class ZOOptimizer(torch.optim.Optimizer):
     ):
         if server not in SERVER_OPTIMIZERS:
             raise ValueError(f"server_optimizer={server!r} is not supported; accepted: {', '.join(SERVER_OPTIMIZERS)}.")
+        checks = {"local_lr": (local_lr, 0.0), "eps": (eps, 0.0), "v0": (v0, 0.0)}
+        for name, (value, low) in checks.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < low:
+                raise ValueError(f"ZOOptimizer: {name}={value!r} must be a finite number >= {low}.")
+        if eps == 0:
+            raise ValueError("ZOOptimizer: eps=0 must be > 0 (it keeps the AMSGrad denominator away from 0).")
+        if len(betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"ZOOptimizer: betas={betas!r} must be two numbers in [0, 1).")
         super().__init__(param_groups, {"lr": lr, "weight_decay": 0.0})
         self.table, self.server = table, server
         self.local_lr, self.betas, self.eps, self.v0 = local_lr, betas, eps, v0
@@ -83,6 +93,8 @@ class ZOOptimizer(torch.optim.Optimizer):
         if self._staged is None and self._dense is None:
             return None
         lr, decay = self.learning_rate(), self.weight_decay()
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"ZOOptimizer: learning rate {lr!r} must be a finite number >= 0 (from the scheduler?).")
         if self.server == "sgd" and self._dense is None:
             apply_update(self.table, self._staged, lr, decay, self._cache)
         else:

@@ -110,6 +110,8 @@ class PromptModel(nn.Module):
     Only the hidden state at the scored position goes through the LM head (one position per example).
     """
 
+    _keys_to_ignore_on_save = None  # read by Trainer after loading a checkpoint (tied weights are stored once)
+
     def __init__(self, lm: nn.Module, label_ids: list[int], kind: str, mask_token_id: int | None = None):
         super().__init__()
         if kind not in KINDS:

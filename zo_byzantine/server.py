@@ -169,7 +169,8 @@ class Server:
         ``plan.participants`` of the clients the attack controls. A round that cannot be applied safely comes
         back with ``skipped`` set."""
         accepted = self.accept(plan, reports)
-        downlink = Downlink(plan.round, float(lr), received=len(accepted), rejected=len(reports) - len(accepted))
+        downlink = Downlink(plan.round, float(lr), participants=[r.client for r in accepted], received=len(accepted),
+                            rejected=len(reports) - len(accepted))
         if byzantine is not None:
             byzantine = torch.as_tensor(byzantine, dtype=torch.bool).cpu()
             if len(byzantine) != len(plan.participants):
@@ -255,9 +256,10 @@ class Server:
         return value, vectors, diagnostics, nonfinite
 
     def _check_overflow(self, downlink: Downlink) -> None:
-        """Guard: ``lr * size * 10`` (|z| < 10 in practice) above ``sqrt(largest float)`` of the weights' dtype,
-        with size ``sum |c_k|`` (seeded update) or ``max |g|`` (dense). No honest update is that large;
-        applying it (a non-robust rule fed extreme values) would push the weights towards inf."""
+        """Guard: the update ``lr * sum_k c_k z_k`` and each term ``c_k z_k`` must stay far inside the weights'
+        dtype: ``max(lr, 1) * size * 10 < sqrt(largest float)`` (|z| < 10 in practice), with size ``sum |c_k|``
+        (seeded update) or ``max |g|`` (dense). No honest update is that large; applying one (a non-robust
+        rule fed extreme values) would push the weights towards inf, or, with lr = 0, give 0 * inf = NaN."""
         if downlink.skipped:
             return
         largest = min(torch.finfo(p.dtype).max for p in self.table.params)
@@ -265,5 +267,5 @@ class Server:
             size = max(float(g.abs().max()) for g in downlink.dense)
         else:
             size = sum(abs(c) for c in downlink.coefficients)
-        if downlink.lr * size * 10 >= largest**0.5:
+        if not math.isfinite(size) or max(downlink.lr, 1.0) * size * 10 >= largest**0.5:
             raise SkipRound("aggregate overflows the parameters' dtype")

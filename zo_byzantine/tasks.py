@@ -3,7 +3,10 @@
 A task is a JSON spec (``tasks/<name>.json``, installed as ``zo_byzantine.task_specs``): label names in
 class order, label words, templates, the Hub source and the local file formats. Labels are mapped
 by name, never by position: each source says which of its values means which label name.
-Examples are dicts ``{"text_a": str, "text_b": str | None, "label": int}`` (class index).
+Examples are ``datasets.Dataset`` objects with the columns ``text_a`` (string), ``text_b`` (string, None
+for single-sentence tasks) and ``label`` (a ``ClassLabel`` whose names are the spec's labels, in class order).
+Local files are read by the ``datasets`` csv / json / text builders, sampling is ``shuffle`` / ``select`` /
+``filter``.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import random
-import sys
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, fields
 from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import datasets
 
 REQUIRED = ("name", "labels", "label_words", "templates", "max_length", "metrics")
 
@@ -35,6 +41,23 @@ class TaskSpec:
     local: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        where = f"Task spec {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Task spec: name={self.name!r} must be a non-empty string.")
+        if (not isinstance(self.labels, list) or len(self.labels) < 2 or len(set(self.labels)) != len(self.labels)
+                or not all(isinstance(x, str) and x for x in self.labels)):
+            raise ValueError(f"{where}: labels={self.labels!r} must be a list of at least 2 distinct label names.")
+        for key in ("label_words", "causal_lm_words", "templates", "hub", "local"):
+            value = getattr(self, key)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"{where}: {key} must be a JSON object with string keys, got {value!r}.")
+        if not self.templates or not all(isinstance(v, str) and v for v in self.templates.values()):
+            raise ValueError(f"{where}: templates must map template kinds to non-empty strings: {self.templates!r}.")
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
+            raise ValueError(f"{where}: max_length={self.max_length!r} must be an integer >= 1.")
+        known = ("accuracy", "f1")
+        if not isinstance(self.metrics, list) or not self.metrics or any(m not in known for m in self.metrics):
+            raise ValueError(f"{where}: metrics={self.metrics!r} must be a non-empty list of {', '.join(known)}.")
         for words in ("label_words", "causal_lm_words"):
             missing = set(self.labels) - set(getattr(self, words))
             if getattr(self, words) and missing:
@@ -62,73 +85,181 @@ def available_tasks() -> list[str]:
 def load_task(name_or_path: str) -> TaskSpec:
     """A spec by name (``sst2``, ``snli``, ``mnli``, ``rte``, ``trec``) or from a JSON file path."""
     if name_or_path.endswith(".json") or os.path.sep in name_or_path:
-        with open(name_or_path) as f:
-            data = json.load(f)
+        try:
+            with open(name_or_path) as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"Task spec {name_or_path!r} cannot be read as JSON: {err}") from err
     else:
         path = resources.files("zo_byzantine.task_specs") / f"{name_or_path}.json"
         if not path.is_file():
             raise ValueError(f"Unknown task {name_or_path!r}; known: {', '.join(available_tasks())} (or a .json path).")
         data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"Task spec {name_or_path!r} must be a JSON object, got {type(data).__name__}.")
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise ValueError(f"Task spec {name_or_path!r} lacks {missing}.")
+    unknown = sorted(set(data) - {f.name for f in fields(TaskSpec)})
+    if unknown:
+        raise ValueError(f"Task spec {name_or_path!r}: unknown keys {unknown}.")
     return TaskSpec(**data)
 
 
 # ----- reading sources ----------------------------------------------------------------------------
 
 
-def _field(row, key, where: str):
+class _KeepLastField:
+    """pandas ``on_bad_lines`` hook for rows longer than the first one: keep the first ``width - 1`` fields and
+    the row's last field, so that position -1 is each row's last field (SNLI's re-annotated rows carry extra
+    ``label2``..``label5`` fields before ``gold_label``)."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def __call__(self, fields: list[str]) -> list[str]:
+        return fields[: self.width - 1] + fields[-1:]
+
+
+def _load(builder: str, path: str, **kwargs) -> datasets.Dataset:
+    """``datasets.load_dataset(builder)`` of one local file, in memory; the Arrow files it prepares go to a
+    temporary cache directory (never next to the data), removed once the table is read."""
+    import datasets
+    import pyarrow as pa
+
+    with tempfile.TemporaryDirectory(prefix="zo_byzantine_data_") as cache:
+        try:
+            return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", cache_dir=cache,
+                                         keep_in_memory=True, **kwargs)
+        except StopIteration as err:  # the json builder's answer to a file without rows
+            raise ValueError(f"{path} is empty.") from err
+        except (ValueError, datasets.exceptions.DatasetsError, pa.ArrowException) as err:
+            raise ValueError(f"{path} cannot be read as {builder}: {err.__cause__ or err}") from err
+
+
+def _first_row(path: str, sep: str, quoting: int) -> list[str]:
+    """The first line's fields (the header, or the first row): names and width for the csv builder."""
+    import pandas as pd
+
     try:
-        return row[key]
-    except (KeyError, IndexError) as err:
-        raise ValueError(f"{where}: missing column {key!r} (row has {list(row)[:12]}).") from err
+        first = pd.read_csv(path, sep=sep, quoting=quoting, header=None, nrows=1, dtype=object, na_filter=False,
+                            engine="python")
+    except pd.errors.EmptyDataError as err:
+        raise ValueError(f"{path} is empty.") from err
+    return [str(v) for v in first.iloc[0].tolist()]
 
 
-def read_rows(path: str, fmt: dict) -> list[dict]:
-    """Raw rows ``{"text_a", "text_b", "label"}`` (label as in the file) from one local file."""
-    kind, columns = fmt["kind"], fmt.get("columns", {})
-    csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8", newline="") as f:
-        if kind == "label_space_text":  # "<label> <sentence>"
-            return [{"text_a": line[2:].rstrip("\n"), "text_b": None, "label": line[0]} for line in f if line.strip()]
-        if kind == "jsonl":
-            records = [json.loads(line) for line in f if line.strip()]
-        elif kind in ("tsv", "csv"):
-            delimiter = "\t" if kind == "tsv" else ","
-            quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
-            reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-            header = next(reader) if fmt.get("header", True) else None
-            positional = all(isinstance(c, int) for c in columns.values())
-            records = [row if positional else dict(zip(header, row, strict=False)) for row in reader]
+def _read_delimited(path: str, kind: str, fmt: dict, columns: dict) -> tuple[datasets.Dataset, dict]:
+    """A TSV (quoting off, as GLUE's files need) or CSV (quoted where needed) file through the csv builder, every
+    field a string; returns the dataset and which of its columns holds ``text_a``/``text_b``/``label``."""
+    import datasets
+
+    sep, quoting = ("\t", csv.QUOTE_NONE) if kind == "tsv" else (",", csv.QUOTE_MINIMAL)
+    header = fmt.get("header", True)
+    first = _first_row(path, sep, quoting)
+    width = len(first)
+    positions = {}
+    for key, column in columns.items():
+        if isinstance(column, int) and not isinstance(column, bool) and -width <= column < width:
+            positions[key] = column % width
+        elif header and isinstance(column, str) and column in first:
+            positions[key] = first.index(column)
         else:
-            raise ValueError(f"{path}: unknown format kind {kind!r}; accepted: tsv, csv, jsonl, label_space_text.")
-    rows = []
-    for i, record in enumerate(records):
-        where = f"{path} row {i + 1}"
-        rows.append(
-            {
-                "text_a": _field(record, columns["text_a"], where),
-                "text_b": _field(record, columns["text_b"], where) if "text_b" in columns else None,
-                "label": _field(record, columns["label"], where),
-            }
-        )
-    return rows
+            raise ValueError(f"{path}: missing column {column!r} (row has {first[:12]}).")
+    names = [f"field_{i}" for i in range(width)]
+    options = {}
+    if any(isinstance(c, int) and c < 0 for c in columns.values()):  # rows may be longer; -1 is their last field
+        options = {"engine": "python", "on_bad_lines": _KeepLastField(width)}
+    # The header line is read as a row and dropped after: as the first row it fixes the width (a longer first
+    # data row would otherwise make pandas take its extra leading fields for an index).
+    data = _load("csv", path, sep=sep, quoting=quoting, header=None, names=names, na_filter=False,
+                 features=datasets.Features({n: datasets.Value("string") for n in names}), **options)
+    if header:
+        data = data.select(range(1, len(data)) if len(data) > 1 else [])
+    return data, {key: names[i] for key, i in positions.items()}
 
 
-def _to_examples(spec: TaskSpec, rows: list[dict], values: dict, source: str) -> list[dict]:
-    examples = []
-    for row in rows:
-        label = spec.label_index(row["label"], values, source)
-        if label is not None:
-            text_b = None if row["text_b"] is None else row["text_b"].strip()
-            examples.append({"text_a": row["text_a"].strip(), "text_b": text_b, "label": label})
-    if not examples:
+def read_rows(path: str, fmt: dict) -> datasets.Dataset:
+    """Raw rows of one local file: a Dataset with the columns ``text_a``, ``label`` (as in the file) and, when the
+    format names one, ``text_b``."""
+    kind, columns = fmt.get("kind"), fmt.get("columns", {})
+    if kind == "label_space_text":  # "<label> <sentence>" per line: the text builder, the label split off by map
+        lines = _load("text", path)
+        lines = lines.filter(lambda texts: [bool(t.strip()) for t in texts], input_columns="text", batched=True,
+                             keep_in_memory=True)
+
+        def split(texts):
+            parts = [t.partition(" ") for t in texts]
+            return {"label": [p[0] for p in parts], "text_a": [p[2] for p in parts]}
+
+        return lines.map(split, input_columns="text", batched=True, remove_columns=["text"], keep_in_memory=True)
+    if kind == "jsonl":
+        data = _load("json", path)
+        if len(data) == 0:
+            raise ValueError(f"{path} is empty.")
+        for column in columns.values():
+            if column not in data.column_names:
+                raise ValueError(f"{path}: missing column {column!r} (rows have {data.column_names[:12]}).")
+        sources = dict(columns)
+    elif kind in ("tsv", "csv"):
+        data, sources = _read_delimited(path, kind, fmt, columns)
+    else:
+        raise ValueError(f"{path}: unknown format kind {kind!r}; accepted: tsv, csv, jsonl, label_space_text.")
+    for key in ("text_a", "label"):
+        if key not in sources:
+            raise ValueError(f"{path}: the format names no {key!r} column: {columns}.")
+    return _pick(data, sources)
+
+
+def _pick(data: datasets.Dataset, sources: dict) -> datasets.Dataset:
+    """Only the columns ``sources`` names (``{"text_a": column, ...}``), under their new names."""
+    if len(set(sources.values())) != len(sources):
+        raise ValueError(f"One column cannot hold two of text_a, text_b, label: {sources}.")
+    data = data.select_columns(list(sources.values()))
+    return data.rename_columns({column: key for key, column in sources.items() if column != key})
+
+
+def _to_examples(spec: TaskSpec, rows, values: dict, source: str) -> datasets.Dataset:
+    """Rows (a Dataset or a list of dicts with ``text_a``, ``label`` and maybe ``text_b``) as examples: texts
+    stripped, the label mapped by name through ``values`` to a ``ClassLabel`` of the spec; rows whose label maps
+    to null are dropped."""
+    import datasets
+
+    data = rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(list(rows))
+    if len(data) == 0:
         raise ValueError(f"Task {spec.name!r}: {source} is empty.")
-    return examples
+    for key in ("text_a", "label"):
+        if key not in data.column_names:
+            raise ValueError(f"{source}: missing column {key!r} (rows have {data.column_names[:12]}).")
+    feature_b = data.features.get("text_b")
+    has_b = feature_b is not None and getattr(feature_b, "dtype", None) != "null"  # an all-None column: no pairs
+
+    def convert(batch, indices):
+        out = {"text_a": [], "text_b": [], "label": []}
+        pairs = batch["text_b"] if has_b else [None] * len(indices)
+        for i, text_a, text_b, label in zip(indices, batch["text_a"], pairs, batch["label"], strict=True):
+            for key, value in (("text_a", text_a), ("label", label), ("text_b", text_b if has_b else "")):
+                if value is None:
+                    raise ValueError(f"{source} row {i + 1}: missing column {key!r}.")
+            index = spec.label_index(label, values, source)
+            out["text_a"].append(str(text_a).strip())
+            out["text_b"].append(str(text_b).strip() if has_b else None)
+            out["label"].append(-1 if index is None else index)
+        return out
+
+    features = datasets.Features(
+        {"text_a": datasets.Value("string"), "text_b": datasets.Value("string"), "label": datasets.Value("int64")}
+    )
+    data = data.map(convert, batched=True, with_indices=True, remove_columns=data.column_names, features=features,
+                    keep_in_memory=True)
+    data = data.filter(lambda labels: [y >= 0 for y in labels], input_columns="label", batched=True,
+                       keep_in_memory=True)
+    if len(data) == 0:
+        raise ValueError(f"Task {spec.name!r}: {source} is empty.")
+    return data.cast_column("label", datasets.ClassLabel(names=spec.labels))
 
 
-def load_local_split(spec: TaskSpec, data_dir: str, split: str, filename: str | None = None) -> list[dict]:
+def load_local_split(spec: TaskSpec, data_dir: str, split: str, filename: str | None = None) -> datasets.Dataset:
     """Examples of ``split`` (``train`` or ``eval``) from ``data_dir``: the first file of the spec found."""
     local = spec.local
     candidates = [filename] if filename else local.get(split, [])
@@ -144,43 +275,43 @@ def load_local_split(spec: TaskSpec, data_dir: str, split: str, filename: str | 
     raise ValueError(f"Task {spec.name!r}: none of {candidates} found in {data_dir!r} for the {split} split.")
 
 
-def load_hub_split(spec: TaskSpec, split: str) -> list[dict]:
+def load_hub_split(spec: TaskSpec, split: str) -> datasets.Dataset:
     """Examples from the Hugging Face Hub source of the spec (needs network or a cached copy)."""
     import datasets
 
     hub = spec.hub
+    source = f"{hub['path']}:{split}"
     data = datasets.load_dataset(hub["path"], hub.get("name"), split=hub[f"{split}_split"])
     cols = hub["columns"]
-    rows = [
-        {
-            "text_a": r[cols["text_a"]],
-            "text_b": r[cols["text_b"]] if "text_b" in cols else None,
-            "label": r[cols["label"]],
-        }
-        for r in data
-    ]
-    return _to_examples(spec, rows, hub["label_values"], f"{hub['path']}:{split}")
+    for column in cols.values():
+        if column not in data.column_names:
+            raise ValueError(f"{source}: missing column {column!r} (rows have {data.column_names[:12]}).")
+    return _to_examples(spec, _pick(data, cols), hub["label_values"], source)
 
 
 # ----- sampling -----------------------------------------------------------------------------------
 
 
-def sample_per_class(examples: list[dict], k: int, num_labels: int, seed: int) -> list[dict]:
-    """``k`` examples of each class, drawn with ``seed``; fails if a class has fewer than ``k``."""
-    rng = random.Random(seed)
-    out = []
+def sample_per_class(examples: datasets.Dataset, k: int, num_labels: int, seed: int) -> datasets.Dataset:
+    """``k`` examples of each class, drawn with ``seed`` (the first ``k`` of each class after one seeded shuffle),
+    in seeded random order; fails if a class has fewer than ``k``."""
+    import datasets
+
+    shuffled = examples.shuffle(seed=seed, keep_in_memory=True)
+    parts = []
     for label in range(num_labels):
-        members = [e for e in examples if e["label"] == label]
+        members = shuffled.filter(lambda labels, c=label: [y == c for y in labels], input_columns="label",
+                                  batched=True, keep_in_memory=True)
         if len(members) < k:
             raise ValueError(f"num_train_per_class={k} but class {label} has only {len(members)} examples.")
-        out.extend(rng.sample(members, k))
-    rng.shuffle(out)
-    return out
+        parts.append(members.select(range(k)))
+    return datasets.concatenate_datasets(parts).shuffle(seed=seed, keep_in_memory=True).flatten_indices(
+        keep_in_memory=True)
 
 
-def sample(examples: list[dict], n: int | None, seed: int) -> list[dict]:
+def sample(examples: datasets.Dataset, n: int | None, seed: int) -> datasets.Dataset:
     """Up to ``n`` examples drawn with ``seed`` (all, shuffled, when ``n`` is None or larger)."""
-    rng = random.Random(seed)
-    if n is None or n >= len(examples):
-        return rng.sample(examples, len(examples))
-    return rng.sample(examples, n)
+    shuffled = examples.shuffle(seed=seed, keep_in_memory=True)
+    if n is not None and n < len(shuffled):
+        shuffled = shuffled.select(range(n))
+    return shuffled.flatten_indices(keep_in_memory=True)

@@ -11,19 +11,24 @@ Hugging Face glue only: it drives the protocol's two roles in one process (SPEC 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
+import safetensors.torch
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import ProgressCallback
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .aggregators import build_aggregator
-from .arguments import ZOByzantineArguments, check_dense_memory, check_sizing
+from .arguments import ZOByzantineArguments
 from .attacks import build_attack
+from .card import rewrite_card
+from .checks import build_federation, check_dense_memory, check_label_flipping, check_sizing
 from .client import client_reports
-from .federation import FederatedBatchSampler, Federation, dataset_labels, partition_dataset
-from .ledger import LEDGER_NAME, Ledger
+from .federation import FederatedBatchSampler, Federation
+from .ledger import LEDGER_NAME, Ledger, LedgerError
 from .losses import PerExampleForward
 from .messages import Downlink, Plan, Report
 from .optim import ZOOptimizer
@@ -33,7 +38,7 @@ from .simulation import BatchedClients, Schedule, flip_labels, model_num_labels
 
 logger = logging.getLogger(__name__)
 
-WINDOW_KEYS = ("rounds", "skipped_rounds", "nonfinite_values", "rejected_reports")
+WINDOW_KEYS = ("rounds", "skipped_rounds", "nonfinite_values", "rejected_reports", "loss_sum", "loss_count")
 PER_APPLIED_ROUND = ("aggregate_shift", "honest_mean_norm")  # logged as means over applied rounds
 LOG_NAMES = {"omega": "attack_omega"}  # averaged over the uplinks that reported it; other diagnostics summed
 
@@ -64,7 +69,19 @@ class ZOByzantineTrainer(Trainer):
         self.aggregator = build_aggregator(aggregator or zo.aggregator, zo.pre_aggregators, **zo.aggregator_kwargs)
         check_sizing(zo, self.aggregator)  # also for a rule object passed here
         self.attack = build_attack(attack or zo.attack, **zo.attack_kwargs)
+        if type(self).compute_loss is not Trainer.compute_loss and type(self).per_example_losses is \
+                ZOByzantineTrainer.per_example_losses:
+            raise TypeError(
+                f"{type(self).__name__} overrides compute_loss, which the rounds cannot use: a round needs every "
+                "client's per-example losses, not one batch loss. Override per_example_losses(model, inputs) -> "
+                "(loss sums, counts) per example instead (evaluate keeps using compute_loss)."
+            )
+        # data-dependent checks now, before any evaluation or training: partition, labels, batch vs client data
         self.federation: Federation | None = None
+        self._partitioned = None  # the dataset self.federation partitions
+        if self.train_dataset is not None:
+            self.federation, self._partitioned = build_federation(zo, self.train_dataset), self.train_dataset
+        check_label_flipping(self.attack, self.model, self.train_dataset)
         self.table: ParameterTable | None = None
         self.zo_optimizer: ZOOptimizer | None = None
         self.server: Server | None = None
@@ -73,6 +90,7 @@ class ZOByzantineTrainer(Trainer):
         self.schedule = Schedule(zo.zo_schedule)
         self._checked_reach = False
         self._window = self._empty_window()
+        self._run_loss = {"loss_sum": 0.0, "loss_count": 0}  # for train_loss: NaN, not 0, if no round computed one
         self._drawn_at_log = COUNTER.drawn
 
     # ----- set-up: optimizer, clients' data -------------------------------------------------
@@ -111,22 +129,13 @@ class ZOByzantineTrainer(Trainer):
             self.ledger = Ledger(self.zo_optimizer)
         return self.optimizer
 
-    def build_federation(self, dataset) -> Federation:
-        """Partition ``dataset`` over the clients (seeded by ``zo_seed``)."""
-        zo = self.args
-        labels = None if zo.partition == "iid" else dataset_labels(dataset)
-        parts = partition_dataset(
-            zo.partition, len(dataset), zo.num_clients, zo.zo_seed, labels, zo.dirichlet_alpha, zo.min_client_examples
-        )
-        return Federation(parts, zo.per_device_train_batch_size, zo.num_byzantine, zo.zo_seed, zo.clients_per_round,
-                          zo.byzantine_selection)
-
     def get_train_dataloader(self) -> DataLoader:
         """One batch per round: ``per_device_train_batch_size`` examples of every participating client."""
         if self.train_dataset is None:
             raise ValueError("ZOByzantineTrainer: training requires a train_dataset.")
         dataset = self.train_dataset
-        self.federation = self.build_federation(dataset)
+        if self.federation is None or self._partitioned is not dataset:
+            self.federation, self._partitioned = build_federation(self.args, dataset), dataset
         collator = self.data_collator
         try:
             import datasets
@@ -155,10 +164,19 @@ class ZOByzantineTrainer(Trainer):
 
     # ----- one round --------------------------------------------------------------------------
 
+    def per_example_losses(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rounds' loss: per example, ``(sum of token losses, token count)``; override to change the loss
+        the clients minimise (``compute_loss`` gives one number per batch, which cannot be split by client)."""
+        return self.forward_per_example(model, inputs)
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Examples per round: ``B`` for every participating client (throughput figures count them all)."""
+        return args.per_device_train_batch_size * (args.clients_per_round or args.num_clients)
+
     def round_clients(self, model, inputs: dict, num_clients: int, cache: dict | None = None) -> BatchedClients:
         """This process's participants of a round, stacked in ``inputs``, as the client role evaluates them."""
         return BatchedClients(
-            model, self.table, inputs, num_clients, self.args.per_device_train_batch_size, self.forward_per_example,
+            model, self.table, inputs, num_clients, self.args.per_device_train_batch_size, self.per_example_losses,
             self.schedule, self.args.zo_forward_batch_size, self.compute_loss_context_manager, cache,
         )
 
@@ -204,13 +222,10 @@ class ZOByzantineTrainer(Trainer):
         if world == 1:
             return reports
         shares = [self.federation.share(r, world) for r in range(world)]
-        width = max(s.stop - s.start for s in shares)
-        device = self.args.device
         gathered = []
         for rows in (torch.stack([r.scalars for r in reports]), torch.tensor([r.loss for r in reports]).double()):
-            padded = torch.zeros((width, *rows.shape[1:]), dtype=rows.dtype, device=device)
-            padded[: len(rows)] = rows
-            every = self.accelerator.gather(padded).view(world, width, *rows.shape[1:])
+            padded = self.accelerator.pad_across_processes(rows.to(self.args.device), dim=0)  # to the largest share
+            every = self.accelerator.gather(padded).view(world, len(padded), *rows.shape[1:])
             gathered.append(torch.cat([every[r, : s.stop - s.start] for r, s in enumerate(shares)]).cpu())
         scalars, losses = gathered
         return [
@@ -230,6 +245,10 @@ class ZOByzantineTrainer(Trainer):
         window["skipped_rounds"] += int(bool(downlink.skipped))
         window["nonfinite_values"] += downlink.nonfinite
         window["rejected_reports"] += downlink.rejected
+        if math.isfinite(downlink.loss):  # the honest loss, also of a skipped round when it was computed
+            for totals in (window, self._run_loss):
+                totals["loss_sum"] += downlink.loss
+                totals["loss_count"] += 1
         if downlink.skipped:
             return
         for found in downlink.diagnostics:
@@ -244,7 +263,10 @@ class ZOByzantineTrainer(Trainer):
         """Training logs: honest loss, communication, skipped rounds, non-finite values; no ``grad_norm``."""
         logs.pop("grad_norm", None)
         window = self._window
+        if "train_loss" in logs:
+            logs["train_loss"] = self.mean_loss(self._run_loss)
         if "loss" in logs and window["rounds"] and self.table is not None:
+            logs["loss"] = self.mean_loss(window)  # the Trainer's would count skipped rounds as 0
             logs.update(self.server.communication(self.federation.clients_per_round, self.state.global_step))
             applied = max(window["rounds"] - window["skipped_rounds"], 1)
             for name in ("skipped_rounds", "nonfinite_values", "rejected_reports"):
@@ -268,6 +290,19 @@ class ZOByzantineTrainer(Trainer):
                 if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                     callback.training_bar.set_postfix(honest_loss=f"{logs['loss']:.4f}", refresh=False)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """A model that is not a ``PreTrainedModel`` (e.g. a wrapper around one with tied weights) is saved with
+        ``safetensors.torch.save_model``, which stores shared tensors once (``save_file`` refuses them)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if state_dict is not None or isinstance(model, PreTrainedModel) or hasattr(model, "peft_config"):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            safetensors.torch.save_model(model, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model as ``Trainer`` does, and the ledger beside it."""
         super().save_model(output_dir, _internal_call)
@@ -275,16 +310,47 @@ class ZOByzantineTrainer(Trainer):
             self.ledger.save(output_dir or self.args.output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        """Resume: the checkpoint's ledger continues (it holds the run's start fingerprint and rounds 0..t-1);
+        a checkpoint without one is refused, since the final ledger could not replay the run."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.ledger is not None:
-            if os.path.isfile(os.path.join(checkpoint, LEDGER_NAME)):
-                self.ledger.rounds = Ledger.read(checkpoint)["rounds"]
+        if checkpoint is None or self.ledger is None:
+            return
+        if not os.path.isfile(os.path.join(checkpoint, LEDGER_NAME)):
+            raise LedgerError(
+                f"Checkpoint {checkpoint!r} has no {LEDGER_NAME}: resuming would write a ledger that cannot replay "
+                "the run. Restore the file from the run's output directory (or start a new run)."
+            )
+        self.ledger.continue_from(Ledger.read(checkpoint))
+        if len(self.ledger.rounds) != self.state.global_step:
+            raise LedgerError(
+                f"Checkpoint {checkpoint!r}: its ledger holds {len(self.ledger.rounds)} rounds, its trainer state "
+                f"{self.state.global_step}."
+            )
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """The Trainer's card, with the optimizer and batch lines made true and the federation described."""
+        super().create_model_card(*args, **kwargs)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.is_world_process_zero() and os.path.isfile(path) and self.server is not None:
+            m = self.federation.clients_per_round if self.federation else self.args.num_clients
+            digest = self.ledger.to_dict()["digest"] if self.ledger is not None else "none"
+            rewrite_card(path, self.args, self.state.global_step, self.server.scalars_per_client(m)[0],
+                         self.table.numel, digest)
+
+    @staticmethod
+    def mean_loss(totals: dict) -> float:
+        return totals["loss_sum"] / totals["loss_count"] if totals["loss_count"] else math.nan
 
     def train(self, *args, **kwargs):
+        self._run_loss = {"loss_sum": 0.0, "loss_count": 0}
         output = super().train(*args, **kwargs)
+        best = self.state.best_model_checkpoint
+        if self.args.load_best_model_at_end and best and os.path.isfile(os.path.join(best, LEDGER_NAME)):
+            self.ledger.continue_from(Ledger.read(best))  # the loaded weights' ledger, not the last round's
         if self.ledger is not None and self.args.should_save:
             self.ledger.save(self.args.output_dir)
-        return output
+        loss = self.mean_loss(self._run_loss)
+        return output._replace(training_loss=loss, metrics={**output.metrics, "train_loss": loss})
 
 
 __all__ = ["ZOByzantineTrainer"]

@@ -1,0 +1,97 @@
+"""The update path never applies a non-finite or overflowing step, whatever the lr and dtype; a round that
+computed no loss is logged as NaN, never 0."""
+
+import math
+
+import pytest
+import torch
+from helpers import LogisticRegression, VectorDataset, make_trainer
+
+from zo_byzantine import ZOOptimizer
+from zo_byzantine.perturbation import ParameterTable
+
+
+class Cast(LogisticRegression):
+    """Inputs in the weights' dtype."""
+
+    def forward(self, x, labels=None):
+        return super().forward(x.to(self.linear.weight.dtype), labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("lr", [0.0, 1e-30, 1e-3, 100.0])
+@pytest.mark.parametrize(("attack", "kwargs"), [("nonfinite", {"value": "inf"}), ("gaussian", {"std": 1e30}),
+                                                ("gaussian", {"std": 1e300})])
+def test_mean_rule_fed_extreme_values_never_moves_the_weights_to_nonfinite(tmp_path, dtype, lr, attack, kwargs):
+    torch.manual_seed(0)
+    model = Cast().to(dtype)
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = make_trainer(model, VectorDataset(64), tmp_path, num_byzantine=1, aggregator="mean", attack=attack,
+                           attack_kwargs=kwargs, learning_rate=lr, lr_scheduler_type="constant", max_steps=3,
+                           logging_steps=3)
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    (log,) = [e for e in trainer.state.log_history if "skipped_rounds" in e]
+    assert math.isfinite(log["loss"])  # the honest loss was computed, also in skipped rounds: kept
+    # the mean of FLOAT32_MAX-sized values fits float64 weights (3.4e38 << sqrt(1.8e308)); nothing else does
+    fits = dtype == torch.float64 and kwargs.get("std") != 1e300
+    if not fits:
+        assert all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))  # every round refused
+        assert [r.get("skipped") for r in trainer.ledger.rounds] == ["aggregate overflows the parameters' dtype"] * 3
+        assert log["skipped_rounds"] == 3
+
+
+class Exploding(LogisticRegression):
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        out["logits"] = out["logits"] * float("inf")
+        return out
+
+
+def test_rounds_that_computed_no_loss_log_nan_not_zero(tmp_path):
+    trainer = make_trainer(Exploding(), VectorDataset(64), tmp_path, max_steps=2, logging_steps=1)
+    output = trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "skipped_rounds" in e]
+    assert len(losses) == 2 and all(math.isnan(x) for x in losses)
+    assert math.isnan(output.training_loss) and math.isnan(output.metrics["train_loss"])
+    final = next(e for e in trainer.state.log_history if "train_loss" in e)
+    assert math.isnan(final["train_loss"])
+
+
+def test_logged_loss_is_the_mean_honest_loss_of_the_window(tmp_path):
+    trainer = make_trainer(LogisticRegression(), VectorDataset(64), tmp_path, max_steps=4, logging_steps=2)
+    losses = []
+    original = trainer.server.aggregate if trainer.server else None
+    assert original is None  # the server is built with the optimizer, inside train()
+    record = trainer.record
+
+    def spy(downlink):
+        losses.append(downlink.loss)
+        record(downlink)
+
+    trainer.record = spy
+    output = trainer.train()
+    logged = [e["loss"] for e in trainer.state.log_history if "skipped_rounds" in e]
+    assert logged == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-12)
+    assert output.training_loss == pytest.approx(sum(losses) / 4, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"eps": -1.0}, "eps=-1.0"), ({"eps": 0.0}, "eps=0"), ({"v0": -1.0}, "v0=-1.0"), ({"v0": math.nan}, "v0=nan"),
+     ({"betas": (1.5, -1)}, "betas="), ({"betas": (0.9,)}, "betas="), ({"local_lr": -0.1}, "local_lr=-0.1")],
+)
+def test_server_optimizer_refuses_bad_hyperparameters(kwargs, message):
+    table = ParameterTable(LogisticRegression())
+    with pytest.raises(ValueError, match=message):
+        ZOOptimizer(table, [{"params": table.params}], lr=0.1, server="amsgrad", **kwargs)
+
+
+def test_optimizer_refuses_a_negative_or_nonfinite_scheduled_rate():
+    table = ParameterTable(LogisticRegression())
+    optimizer = ZOOptimizer(table, [{"params": table.params}], lr=0.1)
+    for rate in (-0.1, math.nan, math.inf):
+        optimizer.param_groups[0]["lr"] = rate
+        optimizer.stage([(1, 1.0)])
+        with pytest.raises(ValueError, match="learning rate"):
+            optimizer.step()

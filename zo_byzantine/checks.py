@@ -1,0 +1,86 @@
+"""Pre-flight checks of a run: the settings against the rule, the model and the data, before any work."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from .aggregators import Chain
+from .attacks import Attack
+from .context import SizingError
+from .federation import Federation, dataset_labels, partition_dataset
+from .simulation import model_num_labels
+
+if TYPE_CHECKING:
+    from .arguments import ZOByzantineArguments
+
+logger = logging.getLogger(__name__)
+
+
+def check_sizing(args: ZOByzantineArguments, rule: Chain) -> None:
+    """Refuse a pipeline that cannot hold for the vectors of a round: ``m = clients_per_round`` (or ``n``)
+    vectors, ``f = min(max_byzantine_per_round or b, m)`` of them Byzantine."""
+    m = args.clients_per_round or args.num_clients
+    f = min(args.byzantine_bound(), m)
+    try:
+        rule.check(m, f)
+    except SizingError as err:
+        bound = f"max_byzantine_per_round={args.max_byzantine_per_round}" if args.max_byzantine_per_round is not None \
+            else f"num_byzantine={args.num_byzantine}"
+        raise ValueError(
+            f"aggregator={rule.name!r} cannot hold for the vectors of a round: clients_per_round="
+            f"{args.clients_per_round} (m={m} vectors), num_byzantine={args.num_byzantine}, bound f={f} ({bound}): "
+            f"{err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round (0 <= f <= b)."
+        ) from err
+
+
+def check_dense_memory(args: ZOByzantineArguments, d: int) -> None:
+    """R^d aggregation (FedAvg, FedZO) holds n x d float64 values: refuse before training if they do not fit."""
+    if args.estimator != "first_order" and args.aggregation_space != "parameter":
+        return
+    need = 3 * args.num_clients * d * 8  # vectors, attacked copy, reconstruction
+    limit = args.dense_memory_limit_gb
+    if limit is None:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30
+    if need > limit * 2**30:
+        raise ValueError(
+            f"Aggregating in R^d (estimator={args.estimator!r}, aggregation_space={args.aggregation_space!r}) needs "
+            f"about {need / 2**30:.1f} GiB for n={args.num_clients} x d={d}; dense_memory_limit_gb={limit:.1f}. "
+            "Use fewer clients, a smaller model (or a PEFT adapter), or raise dense_memory_limit_gb."
+        )
+
+
+def build_federation(zo: ZOByzantineArguments, dataset) -> Federation:
+    """Partition ``dataset`` over the clients (seeded by ``zo_seed``)."""
+    labels = None if zo.partition == "iid" else dataset_labels(dataset)
+    parts = partition_dataset(
+        zo.partition, len(dataset), zo.num_clients, zo.zo_seed, labels, zo.dirichlet_alpha, zo.min_client_examples
+    )
+    small = [(c, len(p)) for c, p in enumerate(parts) if len(p) < zo.per_device_train_batch_size]
+    if small:
+        logger.warning(
+            "%d clients hold fewer examples than per_device_train_batch_size=%d (client: examples %s): their "
+            "batches repeat examples within a round. Raise min_client_examples (the partition is re-drawn) or "
+            "lower the batch to avoid it.", len(small), zo.per_device_train_batch_size,
+            ", ".join(f"{c}: {k}" for c, k in small[:10]),
+        )
+    return Federation(parts, zo.per_device_train_batch_size, zo.num_byzantine, zo.zo_seed, zo.clients_per_round,
+                      zo.byzantine_selection)
+
+
+def check_label_flipping(attack: Attack, model, dataset) -> None:
+    """``attack='lf'``: the number of classes must be known and cover the model's and the data's labels."""
+    if not attack.flips_labels:
+        return
+    model_classes = model_num_labels(model)
+    classes = attack.num_classes or model_classes
+    if not classes:
+        raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
+    if model_classes and classes > model_classes:
+        raise ValueError(f"attack_kwargs num_classes={classes} exceeds the model's {model_classes} labels: flipped "
+                         f"labels C - 1 - y would not exist; accepted: 2 <= num_classes <= {model_classes}.")
+    labels = None if dataset is None else dataset_labels(dataset)
+    if labels is not None and len(labels) and int(labels.max()) >= classes:
+        raise ValueError(f"attack_kwargs num_classes={classes} but the training set has label {int(labels.max())};"
+                         f" accepted: num_classes > every label.")

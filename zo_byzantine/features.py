@@ -1,0 +1,70 @@
+"""A classification head on frozen sentence features: the cheapest configuration faithful to the protocol.
+
+With the encoder frozen, its output does not depend on the perturbation, so each example's sentence
+embedding is computed once (``h = sum_t m_t e_t / sum_t m_t``, the sentence-transformers mean pooling),
+standardised with the training set's statistics, and the trainer perturbs and updates only the head
+``logits = W h + b``. Seeds, per-client vectors, attacks, rule and update are the library's, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``h = sum_t m_t e_t / sum_t m_t`` over the tokens ``t`` (``m`` the attention mask)."""
+    mask = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1)
+
+
+@torch.no_grad()
+def embed(encoder: nn.Module, tokenizer, texts: list[str], max_length: int, batch: int = 64) -> torch.Tensor:
+    """Mean-pooled embeddings of ``texts`` (sentence pairs as ``(a, b)`` tuples) from a frozen ``encoder``."""
+    encoder.eval()
+    out = []
+    for start in range(0, len(texts), batch):
+        chunk = texts[start : start + batch]
+        pairs = [t if isinstance(t, tuple) else (t,) for t in chunk]
+        first, second = [p[0] for p in pairs], [p[1] if len(p) > 1 else None for p in pairs]
+        enc = tokenizer(first, *([second] if any(s is not None for s in second) else []), padding=True,
+                        truncation=True, max_length=max_length, return_tensors="pt")
+        enc = {k: v.to(next(encoder.parameters()).device) for k, v in enc.items()}
+        out.append(mean_pool(encoder(**enc).last_hidden_state, enc["attention_mask"]).float().cpu())
+    return torch.cat(out)
+
+
+def standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    """``(x - mean) / std`` with the training features' statistics, for ``train`` and each of ``others``."""
+    mean, std = train.mean(0), train.std(0).clamp_min(1e-12)
+    return [(x - mean) / std for x in (train, *others)]
+
+
+class Features(torch.utils.data.Dataset):
+    """Rows ``{"x": features, "labels": class}``."""
+
+    def __init__(self, x: torch.Tensor, labels):
+        self.x, self.labels = x, torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i]}
+
+
+class FeatureHead(nn.Module):
+    """``logits = W h + b`` on the sentence features ``h``; ``loss`` is the cross-entropy."""
+
+    def __init__(self, dim: int, num_labels: int):
+        super().__init__()
+        self.classifier = nn.Linear(dim, num_labels)
+        self.num_labels = num_labels
+
+    def forward(self, x, labels=None):
+        logits = self.classifier(x)
+        return {"logits": logits, "loss": None if labels is None else nn.functional.cross_entropy(logits, labels)}
+
+
+def collate_features(items: list[dict]) -> dict:
+    return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
