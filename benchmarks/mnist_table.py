@@ -105,6 +105,13 @@ def run_one(job):
 
 def report(runs_dir: str, prefix: str = "mnist_table", out_dir: str = RESULTS, plots: bool = True) -> None:
     runs = [json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")]
+    others = [r for r in runs if not isinstance(r, dict) or "cell" not in r]
+    runs = [r for r in runs if r not in others]
+    if not runs:
+        raise SystemExit(f"{runs_dir!r} holds no grid runs (this script's runs carry a 'cell' key; {len(others)} other "
+                         "JSON files). For a run of your own, use: python -m zo_byzantine inspect|plot RUN_DIR.")
+    if others:
+        print(f"skipped {len(others)} JSON files of {runs_dir!r} that are not grid runs", flush=True)
     by_cell: dict[str, list] = {}
     for run in runs:
         by_cell.setdefault(run["cell"], []).append(run)

@@ -29,7 +29,7 @@ def _model():
 
 def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
     straight = _model()
-    make_trainer(straight, VectorDataset(128), tmp_path / "a", **SETTINGS).train()
+    straight_loss = make_trainer(straight, VectorDataset(128), tmp_path / "a", **SETTINGS).train().training_loss
 
     resumed = _model()
     make_trainer(
@@ -40,9 +40,10 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
 
     fresh = _model()  # a new process: weights come from the checkpoint
     trainer = make_trainer(fresh, VectorDataset(128), tmp_path / "c", **SETTINGS)
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    resumed_loss = trainer.train(resume_from_checkpoint=str(checkpoint)).training_loss
     assert_same_weights(state(fresh), state(straight))
     assert [r["round"] for r in trainer.ledger.rounds] == list(range(8))
+    assert resumed_loss == straight_loss  # train_loss over all 8 rounds, as uninterrupted
 
 
 def test_ledger_replay_reproduces_final_weights_bitwise(tmp_path):

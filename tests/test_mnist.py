@@ -36,3 +36,10 @@ def test_table_smoke_runs_two_cells(tmp_path):
     for row in rows:
         accuracy = float(row.split("|")[2].split("±")[0])
         assert accuracy > 30.0, row  # 20 rounds: well above chance (10 %)
+
+
+def test_table_report_on_a_users_own_run_says_what_to_use(tmp_path):
+    (tmp_path / "mnist_results.json").write_text('{"final_accuracy": 0.9}')
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "mnist_table.py"), "--report",
+                          "--runs_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "holds no grid runs" in out.stderr and "zo_byzantine inspect" in out.stderr

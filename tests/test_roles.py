@@ -69,13 +69,42 @@ def test_server_checks_every_report_and_sizes_the_rule_for_those_received():
         Report(ROUND - 1, 4, torch.zeros(1, 2, dtype=torch.float64), 0.0, 1),  # stale round
         Report(ROUND, 3, torch.zeros(1, 3, dtype=torch.float64), 0.0, 1),  # wrong length
         "not a report",
+        Report(ROUND, [3], torch.zeros(1, 2, dtype=torch.float64), 0.0, 1),  # unhashable client id
+        Report(ROUND, 3.0, torch.zeros(1, 2, dtype=torch.float64), 0.0, 1),  # float client id
+        Report(torch.tensor([ROUND, ROUND]), 3, torch.zeros(1, 2, dtype=torch.float64), 0.0, 1),  # tensor round
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.float64), "0.1", 1),  # loss not a number
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.complex128), 0.0, 1),  # complex scalars
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.float64).to_sparse(), 0.0, 1),  # sparse
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.float64, device="meta"), 0.0, 1),  # not on the CPU
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.long), 0.0, 1),  # integers
+        Report(ROUND, 3, torch.zeros(1, 2, dtype=torch.float64), 0.0, 0),  # no examples
+        Report(ROUND, True, torch.zeros(1, 2, dtype=torch.float64), 0.0, 1),  # bool id
     ]
     downlink = server.aggregate(plan, good[:3] + hostile, lr=0.1)  # clients 0, 1, 2 valid
-    assert downlink.received == 3 and downlink.rejected == 5
+    assert downlink.received == 3 and downlink.rejected == len(hostile) and downlink.participants == [0, 1, 2]
     assert downlink.aggregates == [[1.0, -1.0]]  # CWTM of {0, 1, 2} trimming f = 1 per side: the median
     # two valid reports are too few for the trimmed mean with f = 1: the round is skipped, not applied
     short = server.aggregate(plan, good[:2], lr=0.1)
     assert short.skipped.startswith("2 reports are too few for the rule") and short.coefficients == []
+
+
+def test_a_round_of_byzantine_clients_only_is_skipped_not_a_crash():
+    for attack in ("tma", "alie", "always_small", "random_choice", "gaussian", "sf"):
+        server = _server(attack=attack)
+        plan = server.plan(ROUND, [0, 1, 2], local_lr=0.0)
+        reports = _fake_clients(plan, {0: [1.0, 1.0], 1: [2.0, 0.0], 2: [0.0, 3.0]})
+        downlink = server.aggregate(plan, reports, lr=0.1, byzantine=[True, True, True])
+        assert downlink.skipped == "no honest report (every sampled client is Byzantine)", attack
+        assert downlink.coefficients == []
+
+
+def test_per_client_directions_refuse_a_pipeline_they_would_not_apply():
+    with pytest.raises(ValueError, match="directions='per_client'.*would not be applied"):
+        _server(rule="median", attack="none", directions="per_client")
+    with pytest.raises(ValueError, match="no pre_aggregators"):
+        from zo_byzantine import ZOByzantineArguments
+
+        ZOByzantineArguments(output_dir="/tmp/never", report_to=[], directions="per_client", pre_aggregators=["nnm"])
 
 
 def test_skipped_round_keeps_what_it_computed():

@@ -1,6 +1,7 @@
 """The update path never applies a non-finite or overflowing step, whatever the lr and dtype; a round that
 computed no loss is logged as NaN, never 0."""
 
+import copy
 import math
 
 import pytest
@@ -18,7 +19,7 @@ class Cast(LogisticRegression):
         return super().forward(x.to(self.linear.weight.dtype), labels)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lr", [0.0, 1e-30, 1e-3, 100.0])
 @pytest.mark.parametrize(("attack", "kwargs"), [("nonfinite", {"value": "inf"}), ("gaussian", {"std": 1e30}),
                                                 ("gaussian", {"std": 1e300})])
@@ -95,3 +96,32 @@ def test_optimizer_refuses_a_negative_or_nonfinite_scheduled_rate():
         optimizer.stage([(1, 1.0)])
         with pytest.raises(ValueError, match="learning rate"):
             optimizer.step()
+
+
+def test_an_ordinary_float16_round_is_applied():
+    """The guard's limit for float16 is its largest value, not its square root (256, which honest steps reach)."""
+    from zo_byzantine import Downlink, Server, Settings, build_aggregator
+
+    table = ParameterTable(LogisticRegression().half())
+    server = Server(Settings(0, num_perturbations=16), build_aggregator("mean"), table)
+    downlink = Downlink(0, 1e-6, seed_tuples=[(0, 0, 1, r) for r in range(16)], coefficients=[2.0] * 16)
+    server._check_overflow(downlink)  # sum |c| = 32: applied
+    downlink.coefficients = [1e4] * 16  # 10 * 1.6e5 > 65504: would overflow float16
+    with pytest.raises(Exception, match="overflows"):
+        server._check_overflow(downlink)
+
+
+def test_replay_refuses_a_well_formed_ledger_whose_update_overflows_and_leaves_the_model_untouched(tmp_path):
+    from zo_byzantine import LedgerError, replay
+
+    torch.manual_seed(0)
+    model = LogisticRegression()
+    start = copy.deepcopy(model)
+    trainer = make_trainer(model, VectorDataset(64), tmp_path, max_steps=3)
+    trainer.train()
+    trainer.ledger.rounds[1]["coefficients"] = [1e300] * len(trainer.ledger.rounds[1]["coefficients"])
+    forged = trainer.ledger.to_dict()  # the digest recomputed: well-formed, only the HMAC would tell
+    before = [p.detach().clone() for p in start.parameters()]
+    with pytest.raises(LedgerError, match="Round 1: its update would overflow"):
+        replay(start, forged)
+    assert all(torch.equal(a, b) for a, b in zip(before, start.parameters(), strict=True))

@@ -279,11 +279,12 @@ class ZOByzantineArguments(TrainingArguments):
                 f"got local_steps={self.local_steps}, aggregation_space={self.aggregation_space!r}."
             )
         if self.directions == "per_client" and (
-            self.aggregator != "mean" or self.aggregation_space != "projection" or self.local_update == "compressed"
+            self.aggregator != "mean" or self.pre_aggregators or self.aggregation_space != "projection"
+            or self.local_update == "compressed"
         ):
             raise ValueError(
-                "directions='per_client' (FedES) needs aggregator='mean', aggregation_space='projection' "
-                "and local_update != 'compressed': each client's scalars live in its own basis."
+                "directions='per_client' (FedES) needs aggregator='mean', no pre_aggregators, aggregation_space="
+                "'projection' and local_update != 'compressed': each client's scalars live in its own basis."
             )
         if self.aggregation_space == "parameter" and self.local_update == "compressed":
             raise ValueError("aggregation_space='parameter' does not combine with local_update='compressed'.")

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .optim import SERVER_OPTIMIZERS, ZOOptimizer
+from .optim import SERVER_OPTIMIZERS, ZOOptimizer, update_fits
 from .perturbation import ParameterTable, direction_seed
 
 logger = logging.getLogger(__name__)
@@ -678,15 +678,27 @@ def replay(
         )
     except (ValueError, TypeError) as err:
         raise LedgerError(f"Ledger server settings: {err}") from err
-    for entry in data["rounds"]:
-        if entry.get("skipped"):
-            continue
-        try:
-            for group in optimizer.param_groups:
-                group["lr"] = entry["lr"]
-            seeds = [direction_seed(*s) for s in entry["seeds"]]
-            optimizer.stage(list(zip(seeds, entry["coefficients"], strict=True)))
-            optimizer.step()
-        except (ValueError, TypeError, RuntimeError, OverflowError) as err:
-            raise LedgerError(f"Round {entry['round']} could not be applied: {err}") from err
+    start = [p.detach().clone() for p in table.params]  # a refused replay leaves the model as it was
+    try:
+        for entry in data["rounds"]:
+            if entry.get("skipped"):
+                continue
+            if not update_fits(table.params, entry["lr"], sum(abs(c) for c in entry["coefficients"])):
+                raise LedgerError(f"Round {entry['round']}: its update would overflow the weights' dtype (the "
+                                  "training server skips such rounds; this ledger was not written by it).")
+            try:
+                for group in optimizer.param_groups:
+                    group["lr"] = entry["lr"]
+                seeds = [direction_seed(*s) for s in entry["seeds"]]
+                optimizer.stage(list(zip(seeds, entry["coefficients"], strict=True)))
+                optimizer.step()
+            except (ValueError, TypeError, RuntimeError, OverflowError) as err:
+                raise LedgerError(f"Round {entry['round']} could not be applied: {err}") from err
+        if not all(bool(torch.isfinite(p).all()) for p in table.params):
+            raise LedgerError("The replayed weights are not finite: the ledger's updates overflow the weights.")
+    except LedgerError:
+        with torch.no_grad():
+            for p, saved in zip(table.params, start, strict=True):
+                p.copy_(saved)
+        raise
     return model

@@ -23,6 +23,17 @@ from .perturbation import ParameterTable, Terms, apply_update, combination
 SERVER_OPTIMIZERS = ("sgd", "amsgrad")
 
 
+def update_fits(params, lr: float, size: float) -> bool:
+    """Whether ``w <- w - lr sum_k c_k z_k`` (or a dense ``g``) stays far inside the weights' dtype, with
+    ``size = sum_k |c_k|`` (or ``max |g|``) and ``|z| < 10`` in practice: every term ``c_k z_k`` and the step,
+    ``max(lr, 1) * size * 10 < limit``, where ``limit`` is ``sqrt(largest)`` for wide dtypes (fp32, bf16, fp64:
+    no honest update comes near it) and ``largest`` itself for float16 (whose sqrt, 256, honest steps reach).
+    With lr = 0 the terms must still fit: 0 * inf = NaN."""
+    largest = min(torch.finfo(p.dtype).max for p in params)
+    limit = largest if largest < 1e6 else math.sqrt(largest)
+    return math.isfinite(size) and math.isfinite(lr) and max(lr, 1.0) * size * 10 < limit
+
+
 class ZOOptimizer(torch.optim.Optimizer):
     """Applies staged seeded (or dense) updates with the server rule."""
 

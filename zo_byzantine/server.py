@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .aggregators import Chain
+from .aggregators import Chain, Mean
 from .attacks import Attack
 from .context import RoundContext, SizingError
 from .messages import Downlink, Plan, Report
+from .optim import update_fits
 from .perturbation import ParameterTable, gaussian_like
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cleaned, int(bad.sum())
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) -> torch.Tensor:
     """Rows ``sum_r v_i[r] z_r`` in R^d (m x d): the FedZO view of the clients' estimates."""
     parts = []
@@ -89,6 +94,12 @@ class Server:
     """
 
     def __init__(self, settings: Settings, rule: Chain, table: ParameterTable, attack: Attack | None = None):
+        if settings.directions == "per_client" and (rule.steps or not isinstance(rule.rule, Mean)):
+            raise ValueError(
+                f"directions='per_client' (FedES) applies each client's scalars in its own basis, weighted by data "
+                f"size: a robust pipeline ({rule.name!r}) would not be applied; accepted: aggregator='mean' with no "
+                "pre_aggregators."
+            )
         self.settings, self.rule, self.table, self.attack = settings, rule, table, attack
 
     def plan(self, round_index: int, participants, local_lr: float) -> Plan:
@@ -150,6 +161,15 @@ class Server:
             problem = None
             if not isinstance(report, Report):
                 problem = f"not a Report ({type(report).__name__})"
+            elif not _is_int(report.client) or not _is_int(report.round):
+                problem = f"client {report.client!r} and round {report.round!r} must be integers"
+            elif not _is_int(report.num_examples) or report.num_examples < 1:
+                problem = f"num_examples={report.num_examples!r} must be an integer >= 1"
+            elif isinstance(report.loss, bool) or not isinstance(report.loss, int | float):
+                problem = f"loss {report.loss!r} is not a number"
+            elif (not torch.is_tensor(report.scalars) or report.scalars.layout != torch.strided
+                  or report.scalars.device.type != "cpu" or not report.scalars.dtype.is_floating_point):
+                problem = "scalars must be a dense real floating-point tensor on the CPU"
             elif report.client not in order:
                 problem = f"client {report.client!r} was not sampled"
             elif report.client in kept:
@@ -162,7 +182,8 @@ class Server:
                 logger.warning("Round %d: report rejected: %s.", plan.round, problem)
                 continue
             kept[report.client] = report
-        return sorted(kept.values(), key=lambda r: order[r.client])
+        accepted = sorted(kept.values(), key=lambda r: order[r.client])
+        return [Report(r.round, r.client, r.scalars.double(), float(r.loss), r.num_examples) for r in accepted]
 
     def aggregate(self, plan: Plan, reports: list[Report], lr: float, byzantine=None) -> Downlink:
         """The round's downlink from the reports. ``byzantine`` (simulation only): mask over
@@ -214,7 +235,6 @@ class Server:
             if dense_space:
                 dense = value if dense is None else dense + value
                 continue
-            downlink.aggregates.append(value.tolist())
             if plan.per_client:  # FedES: bases differ by client; data-size-weighted sum of the scalars sent
                 sizes = torch.tensor([r.num_examples for r in reports], dtype=torch.float64)
                 weights = (sizes / sizes.sum()).tolist()
@@ -222,6 +242,7 @@ class Server:
                     downlink.seed_tuples += plan.keys(step, report.client)
                     downlink.coefficients += [weights[i] * v for v in sent[i].tolist()]
             else:
+                downlink.aggregates.append(value.tolist())  # R of this uplink, applied on the shared directions
                 downlink.seed_tuples += plan.keys(step, reports[0].client)
                 downlink.coefficients += value.tolist()
         if dense is not None:
@@ -233,6 +254,8 @@ class Server:
         diagnostics = {}
         honest = vectors if ctx.byzantine is None else vectors[~ctx.byzantine]
         if ctx.byzantine is not None:
+            if not len(honest):
+                raise SkipRound("no honest report (every sampled client is Byzantine)")
             if not torch.isfinite(honest).all():
                 raise SkipRound("non-finite honest estimate")
             diagnostics["byzantine_over_bound"] = int(int(ctx.byzantine.sum()) > ctx.num_byzantine)
@@ -256,16 +279,14 @@ class Server:
         return value, vectors, diagnostics, nonfinite
 
     def _check_overflow(self, downlink: Downlink) -> None:
-        """Guard: the update ``lr * sum_k c_k z_k`` and each term ``c_k z_k`` must stay far inside the weights'
-        dtype: ``max(lr, 1) * size * 10 < sqrt(largest float)`` (|z| < 10 in practice), with size ``sum |c_k|``
-        (seeded update) or ``max |g|`` (dense). No honest update is that large; applying one (a non-robust
-        rule fed extreme values) would push the weights towards inf, or, with lr = 0, give 0 * inf = NaN."""
+        """Guard (``optim.update_fits``): the update and each of its terms stay far inside the weights' dtype.
+        No honest update is that large; applying one (a non-robust rule fed extreme values) would push the
+        weights towards inf, or, with lr = 0, give 0 * inf = NaN."""
         if downlink.skipped:
             return
-        largest = min(torch.finfo(p.dtype).max for p in self.table.params)
         if downlink.dense is not None:
             size = max(float(g.abs().max()) for g in downlink.dense)
         else:
             size = sum(abs(c) for c in downlink.coefficients)
-        if not math.isfinite(size) or max(downlink.lr, 1.0) * size * 10 >= largest**0.5:
+        if not update_fits(self.table.params, downlink.lr, size):
             raise SkipRound("aggregate overflows the parameters' dtype")

@@ -47,8 +47,10 @@ class ZOByzantineTrainer(Trainer):
     """``Trainer`` running FedByZO rounds. Same constructor, plus optional rule/attack objects.
 
     Args:
-        aggregator: a rule object ``rule(Tensor[n, nu]) -> Tensor[nu]`` used instead of ``args.aggregator``.
-        attack: an attack object used instead of ``args.attack``.
+        aggregator: a :class:`~zo_byzantine.Rule` (``rule(vectors, ctx) -> Aggregation``) used instead of
+            ``args.aggregator``, behind ``args.pre_aggregators``; ``args.aggregator_kwargs`` must then be empty.
+        attack: an :class:`~zo_byzantine.Attack` (``attack(honest, own, rule, ctx) -> AttackOutput``) used instead
+            of ``args.attack``; ``args.attack_kwargs`` must then be empty.
     """
 
     def __init__(self, *args, aggregator=None, attack=None, **kwargs):
@@ -66,6 +68,11 @@ class ZOByzantineTrainer(Trainer):
                 f"clients_per_round={zo.clients_per_round or zo.num_clients} must be >= the number of "
                 f"processes ({zo.world_size}): each process evaluates a share of the clients."
             )
+        objects = ((aggregator, zo.aggregator_kwargs, "aggregator"), (attack, zo.attack_kwargs, "attack"))
+        for given, kwargs, name in objects:
+            if given is not None and kwargs:
+                raise ValueError(f"{name}_kwargs={kwargs!r} would be ignored: an {name} object was passed to the "
+                                 "trainer (configure the object instead).")
         self.aggregator = build_aggregator(aggregator or zo.aggregator, zo.pre_aggregators, **zo.aggregator_kwargs)
         check_sizing(zo, self.aggregator)  # also for a rule object passed here
         self.attack = build_attack(attack or zo.attack, **zo.attack_kwargs)
@@ -321,6 +328,8 @@ class ZOByzantineTrainer(Trainer):
                 "the run. Restore the file from the run's output directory (or start a new run)."
             )
         self.ledger.continue_from(Ledger.read(checkpoint))
+        done = [r["loss"] for r in self.ledger.rounds if r.get("loss") is not None]  # train_loss as uninterrupted
+        self._run_loss = {"loss_sum": float(sum(done)), "loss_count": len(done)}
         if len(self.ledger.rounds) != self.state.global_step:
             raise LedgerError(
                 f"Checkpoint {checkpoint!r}: its ledger holds {len(self.ledger.rounds)} rounds, its trainer state "
