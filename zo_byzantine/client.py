@@ -88,7 +88,8 @@ def client_reports(
     offsets: list[dict] = [{} for _ in ids]  # each client's local model: {seed: coefficient}
     steps, losses = [], None
     for step in range(1, plan.local_steps + 1):
-        seeds = [plan.seeds(step, c) for c in ids]
+        # shared directions: one list of seeds for every client (a SeedSequence per direction, not per client)
+        seeds = [plan.seeds(step, c) for c in ids] if plan.per_client else [plan.seeds(step, ids[0])] * len(ids)
         estimate = estimator(Oracle(clients, table, seeds, [list(o.items()) for o in offsets]), nu)
         if losses is None:
             losses = estimate.losses
