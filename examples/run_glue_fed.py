@@ -46,6 +46,7 @@ from zo_byzantine.features import FeatureHead, Features, collate_features, embed
 from zo_byzantine.metrics import compute_metrics_fn
 from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
 from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, sample, sample_per_class
+from zo_byzantine.validation import check_integer
 
 logger = logging.getLogger("run_glue_fed")
 
@@ -126,9 +127,8 @@ class DataArguments:
 
     def __post_init__(self):
         for name in ("num_train_per_class", "num_train", "num_eval", "max_length"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+            if getattr(self, name) is not None:
+                check_integer(name, getattr(self, name), 1)
         if self.data_dir is not None and not os.path.isdir(self.data_dir):
             raise ValueError(f"data_dir={self.data_dir!r} is not a directory.")
 

@@ -25,6 +25,7 @@ import torch
 from . import seeds
 from .context import Aggregation, RoundContext, SizingError
 from .registry import Registry
+from .validation import check_integer, check_real
 
 AGGREGATORS = Registry("aggregator")
 PRE_AGGREGATORS = Registry("pre_aggregator")
@@ -34,16 +35,6 @@ register_pre_aggregator = PRE_AGGREGATORS.register
 
 def _sizing(name: str, message: str, m: int, f: int) -> SizingError:
     return SizingError(f"{name}: {message} (m={m} vectors, f={f} Byzantine).")
-
-
-def _bad_parameter(name: str, message: str) -> ValueError:
-    return ValueError(f"{name}: {message}.")
-
-
-def _integer(name: str, key: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _bad_parameter(name, f"{key}={value!r} must be an integer >= {low}")
-    return value
 
 
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
@@ -187,7 +178,7 @@ class CWTM(Rule):
 
     def __init__(self, beta: float | None = None):
         if beta is not None and not 0 <= beta < 0.5:
-            raise _bad_parameter("cwtm", f"beta={beta!r} must be in [0, 0.5)")
+            raise ValueError(f"cwtm: beta={beta!r} must be in [0, 0.5).")
         self.beta = beta
 
     def trim(self, m: int, f: int) -> int:
@@ -245,7 +236,7 @@ def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Te
 
 class _KrumFamily(Rule):
     def __init__(self, f: int | None = None, squared: bool = True):
-        self.f = None if f is None else _integer(self.name, "f", f, 0)
+        self.f = None if f is None else check_integer(f"{self.name}: f", f, 0)
         self.squared = bool(squared)
 
     def bound(self, f: int) -> int:
@@ -304,7 +295,7 @@ class MultiKrum(_KrumFamily):
 
     def __init__(self, f: int | None = None, m: int | None = None, squared: bool = True):
         super().__init__(f, squared)
-        self.m = None if m is None else _integer("multikrum", "m", m, 1)
+        self.m = None if m is None else check_integer("multikrum: m", m, 1)
 
     def selection(self, m: int, f: int) -> int:
         return m - self.bound(f) if self.m is None else self.m
@@ -343,9 +334,8 @@ class GeoMed(Rule):
     name = "geomed"
 
     def __init__(self, eps: float = 1e-8, max_iter: int = 100, tol: float = 1e-7):
-        if not eps > 0 or not tol >= 0:
-            raise _bad_parameter("geomed", f"needs eps > 0 and tol >= 0; got eps={eps!r}, tol={tol!r}")
-        self.eps, self.max_iter, self.tol = eps, _integer("geomed", "max_iter", max_iter, 1), tol
+        self.eps = check_real("geomed: eps", eps, 0.0, low_open=True)
+        self.max_iter, self.tol = check_integer("geomed: max_iter", max_iter, 1), check_real("geomed: tol", tol, 0.0)
 
     def check(self, m, f):
         super().check(m, f)
@@ -398,9 +388,8 @@ class CClip(Rule):
     name = "cclip"
 
     def __init__(self, tau: float = 1.0, iters: int = 3):
-        if not tau > 0 or math.isinf(tau):
-            raise _bad_parameter("cclip", f"tau={tau!r} must be a finite number > 0")
-        self.tau, self.iters = tau, _integer("cclip", "iters", iters, 1)
+        check_real("cclip: tau", tau, 0.0, low_open=True)
+        self.tau, self.iters = tau, check_integer("cclip: iters", iters, 1)
 
     def check(self, m, f):
         super().check(m, f)
@@ -464,7 +453,7 @@ class Bucketing(PreAggregator):
     keeps_rows = False
 
     def __init__(self, s: int = 2):
-        self.s = _integer("bucketing", "s", s, 1)
+        self.s = check_integer("bucketing: s", s, 1)
 
     def output_size(self, m):
         return math.ceil(m / self.s)
@@ -496,8 +485,7 @@ class Clip(PreAggregator):
     name = "clip"
 
     def __init__(self, c: float = 1.0):
-        if not c > 0 or math.isinf(c):
-            raise _bad_parameter("clip", f"c={c!r} must be a finite number > 0")
+        check_real("clip: c", c, 0.0, low_open=True)
         self.c = c
 
     def transform(self, vectors, ctx):
@@ -524,6 +512,12 @@ class Chain(Rule):
             step.check(m, f)
             m = step.output_size(m)
         self.rule.check(m, f)
+
+    def __call__(self, vectors: torch.Tensor, ctx: RoundContext) -> Aggregation:
+        """Each step and the rule check their own sizing when called: no second pass over ``check``."""
+        if len(vectors) != ctx.num_vectors:
+            raise ValueError(f"{self.name}: got {len(vectors)} vectors, the context says {ctx.num_vectors}.")
+        return self.aggregate(vectors, ctx)
 
     def aggregate(self, vectors, ctx):
         for step in self.steps:

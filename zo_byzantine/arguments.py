@@ -17,6 +17,7 @@ from .federation import PARTITIONS
 from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
 from .server import Settings
+from .validation import check_integer, check_real
 
 Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
 Partition = Literal["iid", "dirichlet", "shards"]
@@ -41,20 +42,6 @@ def _names(registry) -> str:
 
 MAX_LEARNING_RATE = 100.0  # larger steps are refused as mistakes (ZO steps multiply Gaussian directions)
 MAX_ZO_EPS = 1.0  # a perturbation larger than 1 in parameter units measures no derivative
-
-
-def _integer(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}={value!r} must be an integer {accepted}.")
-
-
-def _real(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    """A finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        accepted = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name}={value!r} must be a finite number in {accepted}.")
 
 
 # TrainingArguments fields the protocol replaces: refused (by name, with what to use) when set away from the default
@@ -222,34 +209,34 @@ class ZOByzantineArguments(TrainingArguments):
 
     def validate_numbers(self) -> None:
         """Every numeric field: its type and range, naming the field and what is accepted."""
-        _real("learning_rate", self.learning_rate, 0.0, MAX_LEARNING_RATE)
-        _real("weight_decay", self.weight_decay, 0.0, 1.0)
-        _integer("per_device_train_batch_size", self.per_device_train_batch_size, 1)
-        _integer("per_device_eval_batch_size", self.per_device_eval_batch_size, 1)
-        _integer("seed", self.seed, 0, 2**32 - 1)
+        check_real("learning_rate", self.learning_rate, 0.0, MAX_LEARNING_RATE)
+        check_real("weight_decay", self.weight_decay, 0.0, 1.0)
+        check_integer("per_device_train_batch_size", self.per_device_train_batch_size, 1)
+        check_integer("per_device_eval_batch_size", self.per_device_eval_batch_size, 1)
+        check_integer("seed", self.seed, 0, 2**32 - 1)
         for name in ("num_clients", "num_perturbations", "local_steps", "min_client_examples"):
-            _integer(name, getattr(self, name), 1)
-        _integer("num_byzantine", self.num_byzantine, 0)
-        _integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
+            check_integer(name, getattr(self, name), 1)
+        check_integer("num_byzantine", self.num_byzantine, 0)
+        check_integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
         for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
             if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), 1 if name == "clients_per_round" else 0)
-        _real("zo_eps", self.zo_eps, 0.0, MAX_ZO_EPS, low_open=ESTIMATORS.get(self.estimator).uses_mu
+                check_integer(name, getattr(self, name), 1 if name == "clients_per_round" else 0)
+        check_real("zo_eps", self.zo_eps, 0.0, MAX_ZO_EPS, low_open=ESTIMATORS.get(self.estimator).uses_mu
               if self.estimator in ESTIMATORS else True)
         if self.local_learning_rate is not None:
-            _real("local_learning_rate", self.local_learning_rate, 0.0, MAX_LEARNING_RATE)
+            check_real("local_learning_rate", self.local_learning_rate, 0.0, MAX_LEARNING_RATE)
         if isinstance(self.dirichlet_alpha, int | float) and self.dirichlet_alpha == math.inf:
             raise ValueError("dirichlet_alpha=inf: for identically distributed clients use partition='iid'.")
-        _real("dirichlet_alpha", self.dirichlet_alpha, 0.0, low_open=True)
+        check_real("dirichlet_alpha", self.dirichlet_alpha, 0.0, low_open=True)
         if self.dense_memory_limit_gb is not None:
-            _real("dense_memory_limit_gb", self.dense_memory_limit_gb, 0.0, low_open=True)
-        _real("server_eps", self.server_eps, 0.0, low_open=True)
-        _real("server_v0", self.server_v0, 0.0)
+            check_real("dense_memory_limit_gb", self.dense_memory_limit_gb, 0.0, low_open=True)
+        check_real("server_eps", self.server_eps, 0.0, low_open=True)
+        check_real("server_v0", self.server_v0, 0.0)
         betas = self.server_betas
         if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise ValueError(f"server_betas={betas!r}: two numbers (beta1, beta2) in [0, 1), e.g. 0.9 0.99.")
         for i, beta in enumerate(betas):
-            _real(f"server_betas[{i}]", beta, 0.0, 1.0)
+            check_real(f"server_betas[{i}]", beta, 0.0, 1.0)
             if beta == 1.0:
                 raise ValueError(f"server_betas[{i}]=1.0 must be < 1 (the moment would never move).")
         self.server_betas = tuple(float(x) for x in betas)

@@ -19,6 +19,7 @@ import torch
 from . import seeds
 from .context import AttackOutput, RoundContext
 from .registry import Registry
+from .validation import check_integer, check_real, is_number
 
 ATTACKS = Registry("attack")
 register_attack = ATTACKS.register
@@ -58,14 +59,13 @@ class OmegaAttack(Attack):
     """
 
     def __init__(self, omega="auto", candidates=DEFAULT_OMEGA_GRID, target="pipeline"):
-        finite = isinstance(omega, int | float) and not isinstance(omega, bool) and math.isfinite(omega)
-        if omega != "auto" and not finite:
+        if omega != "auto" and not (is_number(omega) and math.isfinite(omega)):
             raise ValueError(f"omega={omega!r}: a finite number or 'auto'.")
         if target not in ("pipeline", "rule"):
             raise ValueError(f"target={target!r} is not supported; accepted: pipeline, rule.")
         if isinstance(candidates, str) or not len(candidates):
             raise ValueError(f"candidates={candidates!r}: a non-empty list of numbers (the omega grid).")
-        if not all(isinstance(c, int | float) and not isinstance(c, bool) and math.isfinite(c) for c in candidates):
+        if not all(is_number(c) and math.isfinite(c) for c in candidates):
             raise ValueError(f"candidates={candidates!r}: every omega must be a finite number.")
         self.omega, self.candidates, self.target = omega, [float(c) for c in candidates], target
 
@@ -124,10 +124,7 @@ class LabelFlip(Attack):
     flips_labels = True
 
     def __init__(self, num_classes: int | None = None):
-        if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
-                                        or num_classes < 2):
-            raise ValueError(f"lf: num_classes={num_classes!r} must be an integer >= 2.")
-        self.num_classes = num_classes
+        self.num_classes = None if num_classes is None else check_integer("lf: num_classes", num_classes, 2)
 
     def __call__(self, honest, own, rule, ctx):
         return AttackOutput(own, {})
@@ -190,9 +187,7 @@ class Gaussian(Attack):
     """Each Byzantine client sends ``N(0, std^2)`` per coordinate (seeded by the round)."""
 
     def __init__(self, std: float = 1.0):
-        if isinstance(std, bool) or not isinstance(std, int | float) or not 0 <= std < math.inf:
-            raise ValueError(f"gaussian: std={std!r} must be a finite number >= 0.")
-        self.std = std
+        self.std = check_real("gaussian: std", std, 0.0)
 
     def __call__(self, honest, own, rule, ctx):
         noise = torch.randn(own.shape, generator=ctx.generator(seeds.GAUSSIAN), dtype=torch.float64)

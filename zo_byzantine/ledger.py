@@ -64,6 +64,7 @@ from torch import nn
 
 from .optim import SERVER_OPTIMIZERS, ZOOptimizer, update_fits
 from .perturbation import ParameterTable, direction_seed
+from .validation import is_number
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,8 @@ def _fail(path: str, expected: str, value) -> None:
     raise LedgerError(f"{path}: expected {expected}, got {_describe(value)}")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _finite(value, path: str, low: float | None = None, high: float | None = None, open_high: bool = False):
-    ok = _is_number(value)
+    ok = is_number(value)
     if ok:
         try:
             ok = math.isfinite(float(value))

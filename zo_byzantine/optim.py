@@ -19,6 +19,7 @@ import math
 import torch
 
 from .perturbation import ParameterTable, Terms, apply_update, combination
+from .validation import check_real
 
 SERVER_OPTIMIZERS = ("sgd", "amsgrad")
 
@@ -50,12 +51,9 @@ class ZOOptimizer(torch.optim.Optimizer):
     ):
         if server not in SERVER_OPTIMIZERS:
             raise ValueError(f"server_optimizer={server!r} is not supported; accepted: {', '.join(SERVER_OPTIMIZERS)}.")
-        checks = {"local_lr": (local_lr, 0.0), "eps": (eps, 0.0), "v0": (v0, 0.0)}
-        for name, (value, low) in checks.items():
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < low:
-                raise ValueError(f"ZOOptimizer: {name}={value!r} must be a finite number >= {low}.")
-        if eps == 0:
-            raise ValueError("ZOOptimizer: eps=0 must be > 0 (it keeps the AMSGrad denominator away from 0).")
+        check_real("ZOOptimizer: local_lr", local_lr, 0.0)
+        check_real("ZOOptimizer: eps", eps, 0.0, low_open=True)  # keeps the AMSGrad denominator away from 0
+        check_real("ZOOptimizer: v0", v0, 0.0)
         if len(betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas):
             raise ValueError(f"ZOOptimizer: betas={betas!r} must be two numbers in [0, 1).")
         super().__init__(param_groups, {"lr": lr, "weight_decay": 0.0})

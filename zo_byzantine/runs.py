@@ -26,6 +26,7 @@ from torch import nn
 from .ledger import LEDGER_NAME, MAX_BYTES, Ledger, LedgerError, replay
 from .perturbation import ParameterTable
 from .server import BYTES_PER_SCALAR
+from .validation import is_number
 
 TRAINER_STATE = "trainer_state.json"
 STATE_MAX_BYTES = 1 << 28  # 256 MiB: a trainer_state.json larger than this is not read
@@ -89,7 +90,7 @@ def load_run(path: str | os.PathLike, key: bytes | None = None, max_bytes: int =
 
 
 def _number(value) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    if is_number(value) and math.isfinite(value):
         return float(value)
     return None
 

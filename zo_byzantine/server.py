@@ -26,6 +26,7 @@ from .context import RoundContext, SizingError
 from .messages import Downlink, Plan, Report
 from .optim import update_fits
 from .perturbation import ParameterTable, gaussian_like
+from .validation import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,6 @@ def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
         return vectors, 0
     cleaned = torch.nan_to_num(vectors, nan=FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
     return cleaned, int(bad.sum())
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) -> torch.Tensor:
@@ -161,9 +158,9 @@ class Server:
             problem = None
             if not isinstance(report, Report):
                 problem = f"not a Report ({type(report).__name__})"
-            elif not _is_int(report.client) or not _is_int(report.round):
+            elif not is_integer(report.client) or not is_integer(report.round):
                 problem = f"client {report.client!r} and round {report.round!r} must be integers"
-            elif not _is_int(report.num_examples) or report.num_examples < 1:
+            elif not is_integer(report.num_examples) or report.num_examples < 1:
                 problem = f"num_examples={report.num_examples!r} must be an integer >= 1"
             elif isinstance(report.loss, bool) or not isinstance(report.loss, int | float):
                 problem = f"loss {report.loss!r} is not a number"
