@@ -40,6 +40,19 @@ def best_time(fn, repeats: int = 3) -> float:
     return min(times)
 
 
+def interleaved(rows: dict, repeats: int = 3) -> dict:
+    """Each row's minimum wall-clock seconds over ``repeats`` rounds that run every row once, in turn (after a
+    warm-up round): a slow moment of the machine hits all rows alike, so their ratios hold within one run."""
+    times = {name: [] for name in rows}
+    for round_ in range(repeats + 1):
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: min(values) for name, values in times.items()}
+
+
 class RandomTokens(torch.utils.data.Dataset):
     """``n`` rows of random token ids (``seq_len`` each, no padding) with random binary labels."""
 

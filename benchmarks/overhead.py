@@ -21,11 +21,11 @@ import sys
 import tempfile
 
 import torch
-from _common import RandomTokens, best_time, machine, minilm
+from _common import RandomTokens, best_time, interleaved, machine, minilm
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
+from zo_byzantine.directions import COUNTER, TorchDirections, direction_seed
 from zo_byzantine.losses import client_losses, per_example_loss
-from zo_byzantine.perturbation import COUNTER, direction_seed, gaussian_like
 
 
 def build(model, clients, batch, seq_len, tmp, **kwargs):
@@ -44,14 +44,15 @@ def ours(trainer, model, inputs):
 
 
 def mezo(trainer, model, inputs, clients):
-    """MeZO's schedule: in-place +mu, forward, -2mu, forward, +mu, then the update (4 draws of z)."""
-    table, mu, lr = trainer.table, trainer.args.zo_eps, 1e-7
+    """MeZO's schedule: in-place +mu, forward, -2mu, forward, +mu, then the update (4 draws of z by torch.randn,
+    as MeZO draws them)."""
+    table, mu, lr, draw = trainer.table, trainer.args.zo_eps, 1e-7, TorchDirections().draw
     seed = direction_seed(0, trainer.state.global_step, 1, 0)
     rows = torch.arange(clients).repeat_interleave(len(inputs["labels"]) // clients)
 
     def shift(c):
         for j, p in table:
-            p.data.add_(gaussian_like(p, seed, j), alpha=c)
+            p.data.add_(draw(p, seed, j), alpha=c)
 
     def losses():
         s, n = per_example_loss(model, model(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"])
@@ -104,29 +105,38 @@ def overhead(args):
     model, source = minilm()
     d = sum(p.numel() for p in model.parameters())
     print(f"# overhead: BERT {d / 1e6:.1f}M ({source}); {machine()}; n={args.clients} x {args.batch} examples, "
-          f"{args.seq_len} tokens, nu=1, K=1, fp32; best of {args.repeats}")
+          f"{args.seq_len} tokens, nu=1, K=1, fp32; best of {args.repeats}, all rows interleaved")
     print("| schedule | time per round (s) | ratio to two forwards | generator passes per round |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = []
-        for schedule in ("antithetic", "cached", "two_forwards"):
-            trainer, inputs = build(model, args.clients, args.batch, args.seq_len, tmp, zo_schedule=schedule)
-            rows.append((f"ours, {schedule}", *measure(lambda: ours(trainer, model, inputs), d, args.repeats)))
-        rows.append(("MeZO's in-place schedule", *measure(lambda: mezo(trainer, model, inputs, args.clients), d,
-                                                         args.repeats)))
-        rows.append(("naive per-client loop", *measure(lambda: naive(trainer, model, inputs, args.clients), d,
-                                                      args.repeats)))
-        floor = best_time(floor_of(model, inputs), args.repeats)
+        rows, passes = {}, {}
+        for name, settings in (("auto (default)", {}), ("antithetic", {"zo_schedule": "antithetic"}),
+                               ("cached", {"zo_schedule": "cached"}), ("two_forwards", {"zo_schedule": "two_forwards"}),
+                               ("two_forwards, torch generator (the default before 0.2)",
+                                {"zo_schedule": "two_forwards", "zo_generator": "torch"})):
+            trainer, inputs = build(model, args.clients, args.batch, args.seq_len, tmp, **settings)
+            ours(trainer, model, inputs)
+            name = f"ours, {name}: {trainer.schedule.name}" if name.startswith("auto") else f"ours, {name}"
+            rows[name] = (lambda t, i: lambda: ours(t, model, i))(trainer, inputs)
+        rows["MeZO's in-place schedule"] = lambda: mezo(trainer, model, inputs, args.clients)
+        rows["naive per-client loop"] = lambda: naive(trainer, model, inputs, args.clients)
+        for name, fn in rows.items():  # generator values drawn by one call, per parameter
+            start = COUNTER.drawn
+            fn()
+            passes[name] = (COUNTER.drawn - start) / d
+        rows["two plain forwards (floor)"] = floor_of(model, inputs)
+        times = interleaved(rows, args.repeats)
+    floor = times.pop("two plain forwards (floor)")
     print(f"| two plain forwards (floor) | {floor:.3f} | 1.00 | 0 |")
-    for name, seconds, passes in rows:
-        print(f"| {name} | {seconds:.3f} | {seconds / floor:.2f} | {passes:.0f} |", flush=True)
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / floor:.2f} | {passes[name]:.0f} |", flush=True)
 
 
 def scaling(args):
     model, source = minilm()
     d = sum(p.numel() for p in model.parameters())
     print(f"# scaling: BERT {d / 1e6:.1f}M ({source}); {machine()}; {args.seq_len} tokens, "
-          "two_forwards schedule (the default)")
+          "two_forwards schedule")
     with tempfile.TemporaryDirectory() as tmp:
         print("| varied | value | time per round (s) | generator passes |\n|---|---|---|---|")
         for n in (1, 4, 16, 64):  # fixed 64 examples per round
@@ -149,9 +159,10 @@ def memory_child(mode, clients, batch, seq_len):
     model, _ = minilm()
     with tempfile.TemporaryDirectory() as tmp:
         estimator = "first_order" if mode == "first_order" else "two_point"
-        schedule = mode if mode in ("antithetic", "cached", "two_forwards") else "two_forwards"
+        schedule = mode if mode in ("antithetic", "cached", "two_forwards") else "auto"
+        budget = 0.0 if mode == "auto_budget_0" else 1.0
         trainer, inputs = build(model, clients, batch, seq_len, tmp, estimator=estimator, zo_schedule=schedule,
-                                dense_memory_limit_gb=20)
+                                zo_cache_budget_gb=budget, dense_memory_limit_gb=20)
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if mode == "inference":
             with torch.no_grad():
@@ -172,7 +183,8 @@ def memory(args):
           f"{args.seq_len} tokens")
     print("| mode | peak RSS | over the loaded model | peak / inference peak |\n|---|---|---|---|")
     results = {}
-    for mode in ("inference", "antithetic", "cached", "two_forwards", "first_order", "first_order_adam"):
+    for mode in ("inference", "auto", "auto_budget_0", "antithetic", "cached", "two_forwards", "first_order",
+                 "first_order_adam"):
         out = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--clients", str(args.clients),
                               "--batch", str(args.batch), "--seq-len", str(args.seq_len)], capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]

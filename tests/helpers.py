@@ -194,3 +194,22 @@ def dataset_loss(model, dataset: VectorDataset) -> float:
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _common import load_example  # noqa: E402,F401  (one loader of examples/*.py, shared with the benchmarks)
+
+
+def gaussian_like(param, seed: int, index: int):
+    """``z_index`` of direction ``seed`` from the default generator, in ``param``'s dtype (a test's reference)."""
+    from zo_byzantine.directions import build_directions
+
+    return build_directions().draw(param, seed, index).to(param.dtype)
+
+
+def updated(weights, index: int, terms, lr: float):
+    """The default generator's update of tensor ``index``, written out: ``acc = z_0 (-lr c_0)``, ``acc = acc + z_k
+    (-lr c_k)``, ``w + acc`` (float32 arithmetic, float64 for float64 weights)."""
+    acc = None
+    for seed, coeff in terms:
+        z = gaussian_like(weights, seed, index) if weights.dtype == torch.float64 else \
+            gaussian_like(weights.float(), seed, index)
+        term = z * (-lr * coeff)
+        acc = term if acc is None else acc + term
+    return (weights.to(acc.dtype) + acc).to(weights.dtype)

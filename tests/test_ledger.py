@@ -17,7 +17,7 @@ from helpers import LogisticRegression, VectorDataset, make_trainer
 
 import zo_byzantine.ledger as ledger_module
 from zo_byzantine import Ledger, LedgerError, replay
-from zo_byzantine.ledger import LEDGER_NAME, MAX_BYTES, dumps, weights_fingerprint
+from zo_byzantine.ledger import LEDGER_NAME, MAX_BYTES, _digest, dumps, weights_fingerprint
 from zo_byzantine.messages import Downlink
 from zo_byzantine.optim import ZOOptimizer
 from zo_byzantine.perturbation import ParameterTable
@@ -31,13 +31,13 @@ def _flat(model):
     return torch.cat([p.detach().flatten() for p in ParameterTable(model).params])
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _make_run(tmp_path_factory, **settings):
     tmp = tmp_path_factory.mktemp("ledger")
     torch.manual_seed(0)
     model = LogisticRegression()
     start = copy.deepcopy(model)
-    trainer = make_trainer(model, VectorDataset(128), tmp, max_steps=3, weight_decay=0.01, num_perturbations=2)
+    trainer = make_trainer(model, VectorDataset(128), tmp, max_steps=3, weight_decay=0.01, num_perturbations=2,
+                           **settings)
     trainer.train()
     path = trainer.ledger.save(str(tmp))
     keyed = trainer.ledger.save(str(tmp / "keyed"), key=KEY)
@@ -45,6 +45,17 @@ def run(tmp_path_factory):
         raw, keyed_raw = f.read(), g.read()
     return SimpleNamespace(start=start, final=_flat(model), trainer=trainer, path=path, raw=raw, keyed_raw=keyed_raw,
                            data=json.loads(raw), keyed_data=json.loads(keyed_raw), tmp=tmp)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return _make_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    """A run with the torch.Generator stream, the only one before generators were recorded."""
+    return _make_run(tmp_path_factory, zo_generator="torch")
 
 
 class Tally:
@@ -149,6 +160,8 @@ def field_kind(path) -> str:
         if path[1] == "optimizer":
             return "str"
         return "list" if path[1] == "betas" and n == 2 else "number"
+    if head == "generator":
+        return "object" if n == 1 else ("int" if path[1] == "version" else "str")
     assert head == "rounds"
     if n <= 2:
         return ["list", "object"][n - 1]
@@ -172,7 +185,7 @@ def accepts(kind: str, value) -> bool:
     )
 
 
-OPTIONAL = {"hmac", "skipped", "dense", "loss", "participants"}
+OPTIONAL = {"hmac", "skipped", "dense", "loss", "participants", "generator"}
 
 
 def _set(data, path, value):
@@ -535,8 +548,33 @@ def test_record_again_replaces_a_round_and_gaps_are_refused(run):
     assert ledger.to_dict() == run.data
 
 
-def test_version_1_files_are_read_with_a_warning_and_refused_given_a_key(run, caplog):
-    v1 = {k: copy.deepcopy(v) for k, v in run.data.items() if k not in ("fingerprint", "digest")}
+def test_each_generator_is_recorded_and_replays_bitwise(run, torch_run):
+    assert run.data["generator"] == {"name": "counter", "version": 1, "distribution": "gaussian"}
+    assert torch_run.data["generator"] == {"name": "torch", "version": 1, "distribution": "gaussian"}
+    for made in (run, torch_run):
+        assert torch.equal(_flat(replay(copy.deepcopy(made.start), made.path)), made.final)
+    assert not torch.equal(run.final, torch_run.final)  # two streams, two trajectories
+
+
+def test_ledgers_written_before_the_generator_was_recorded_replay_with_the_torch_stream(run, torch_run):
+    for made, same in ((torch_run, True), (run, False)):
+        old = {k: copy.deepcopy(v) for k, v in made.data.items() if k not in ("generator", "digest")}
+        old["digest"] = _digest(old)
+        replayed = _flat(replay(copy.deepcopy(made.start), Ledger.loads(dump(old))))
+        assert torch.equal(replayed, made.final) == same
+
+
+def test_a_ledger_naming_an_unknown_generator_version_is_refused(run):
+    data = copy.deepcopy(run.data)
+    data["generator"]["version"] = 2
+    data["digest"] = _digest({k: v for k, v in data.items() if k != "digest"})
+    with pytest.raises(LedgerError, match="version"):
+        replay(copy.deepcopy(run.start), Ledger.loads(dump(data)))
+
+
+def test_version_1_files_are_read_with_a_warning_and_refused_given_a_key(torch_run, caplog):
+    run = torch_run
+    v1 = {k: copy.deepcopy(v) for k, v in run.data.items() if k not in ("fingerprint", "digest", "generator")}
     v1["version"] = 1
     v1["digest"] = hashlib.sha256(_canonical(v1["rounds"])).hexdigest()  # version 1: the rounds only
     with caplog.at_level(logging.WARNING, logger="zo_byzantine.ledger"):

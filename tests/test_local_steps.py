@@ -4,11 +4,11 @@ import copy
 
 import pytest
 import torch
-from helpers import LogisticRegression, VectorDataset, make_trainer
+from helpers import LogisticRegression, VectorDataset, gaussian_like, make_trainer
 
 from zo_byzantine import LedgerError, replay
 from zo_byzantine.client import Oracle
-from zo_byzantine.perturbation import ParameterTable, direction_seed, gaussian_like, perturbed
+from zo_byzantine.perturbation import ParameterTable, direction_seed, perturbed
 
 B, N, NU, MU = 4, 3, 2, 1e-3
 

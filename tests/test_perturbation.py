@@ -4,14 +4,13 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_bert
+from helpers import gaussian_like, tiny_bert
 
 from zo_byzantine.perturbation import (
     COUNTER,
     ParameterTable,
     apply_update,
     direction_seed,
-    gaussian_like,
     perturbed,
 )
 

@@ -14,6 +14,7 @@ from .arguments import ZOByzantineArguments
 from .attacks import ATTACKS, Attack, build_attack, register_attack
 from .client import client_reports
 from .context import Aggregation, AttackOutput, RoundContext, SizingError
+from .directions import CounterDirections, Directions, TorchDirections, build_directions
 from .estimators import ESTIMATORS
 from .federation import Federation, partition_dataset
 from .ledger import Ledger, LedgerError, replay
@@ -23,7 +24,7 @@ from .perturbation import ParameterTable, apply_update, direction_seed, perturbe
 from .server import Server, Settings
 from .trainer import ZOByzantineTrainer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AGGREGATORS",
@@ -34,6 +35,8 @@ __all__ = [
     "Attack",
     "AttackOutput",
     "Chain",
+    "CounterDirections",
+    "Directions",
     "Downlink",
     "Federation",
     "Ledger",
@@ -47,12 +50,14 @@ __all__ = [
     "Server",
     "Settings",
     "SizingError",
+    "TorchDirections",
     "ZOByzantineArguments",
     "ZOByzantineTrainer",
     "ZOOptimizer",
     "apply_update",
     "build_aggregator",
     "build_attack",
+    "build_directions",
     "client_reports",
     "direction_seed",
     "partition_dataset",

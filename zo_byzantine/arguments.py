@@ -12,25 +12,29 @@ from transformers import TrainingArguments
 from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
 from .checks import check_sizing
+from .directions import DISTRIBUTIONS, GENERATORS, build_directions
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
 from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
 from .server import Settings
-from .validation import check_integer, check_real
+from .validation import check_choice, check_integer, check_real
 
 Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
 Partition = Literal["iid", "dirichlet", "shards"]
 LocalUpdate = Literal["unbiased", "biased", "compressed"]
 Directions = Literal["shared", "per_client"]
 AggregationSpace = Literal["projection", "parameter"]
-ScheduleName = Literal["two_forwards", "cached", "antithetic", "auto"]
+ScheduleName = Literal["auto", "two_forwards", "cached", "antithetic"]
+GeneratorName = Literal["counter", "torch"]
+Distribution = Literal["gaussian", "rademacher"]
 ByzantineSelection = Literal["first", "random"]
 ServerOptimizer = Literal["sgd", "amsgrad"]
 
 DIRECTIONS = get_args(Directions)
 AGGREGATION_SPACES = get_args(AggregationSpace)
 SCHEDULES = get_args(ScheduleName)
+assert set(get_args(GeneratorName)) == set(GENERATORS) and set(get_args(Distribution)) == set(DISTRIBUTIONS)
 BYZANTINE_SELECTIONS = get_args(ByzantineSelection)
 assert set(get_args(Partition)) == set(PARTITIONS) and set(get_args(LocalUpdate)) == set(LOCAL_UPDATES)
 assert set(get_args(ServerOptimizer)) == set(SERVER_OPTIMIZERS) and set(get_args(Estimator)) <= set(ESTIMATORS.names())
@@ -78,11 +82,6 @@ def _refuse_replaced(args) -> None:
             raise ValueError(f"{name}={value!r} is not used by ZOByzantineTrainer: {reason}.")
 
 
-def _choice(name: str, value, accepted) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}.")
-
-
 @dataclass
 class ZOByzantineArguments(TrainingArguments):
     r"""
@@ -112,12 +111,22 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
-        zo_schedule (`str`, defaults to `"two_forwards"`): how a two-point estimate is evaluated.
-            `"two_forwards"`: two forwards, z drawn for each and for the update (3 generator passes per direction;
-            inference-level memory). `"cached"`: the round's directions are kept after the first draw for the
-            second forward and the update (1 pass; nu*d extra floats). `"antithetic"`: one forward of the doubled
-            batch, each module drawing z once for +mu and -mu (2 passes; doubled activations). `"auto"`:
-            antithetic, checked against two forwards at the first round, else two forwards.
+        zo_schedule (`str`, defaults to `"auto"`): how a two-point estimate is evaluated; every schedule gives the
+            losses of two forwards. `"two_forwards"`: two forwards, z drawn (fused into p + c z) for each and for the
+            update (3 generator passes per direction; inference-level memory). `"cached"`: the round's directions
+            are kept after the first draw for the second forward and the update (1 pass; nu*d extra float32).
+            `"antithetic"`: one forward of the doubled batch, each module drawing z once for +mu and -mu (2 passes;
+            doubled activations; checked against two forwards at its first round). `"auto"`: two_forwards when the
+            generator draws and adds in one fused pass (the counter generator's CPU kernel: regenerating z costs
+            less than reading it back), else cached when the round's directions fit `zo_cache_budget_gb`, else
+            two_forwards.
+        zo_cache_budget_gb (`float`, defaults to 1.0): memory `"auto"` may spend on keeping a round's directions
+            (nu * K * d values) when they are not drawn by a fused kernel; 0 keeps memory at inference level.
+        zo_generator (`str`, defaults to `"counter"`): the direction generator. `"counter"`: a counter-based
+            stream, the same bits on every device (CPU or GPU), drawn and added in one fused pass. `"torch"`:
+            `torch.randn` per tensor (the stream of runs made before 0.2; CPU and CUDA streams differ).
+        zo_distribution (`str`, defaults to `"gaussian"`): `"gaussian"` (the papers') or `"rademacher"` (+-1;
+            `zo_generator="counter"` only).
         local_learning_rate (`float`, *optional*): step of the clients' local ZO-SGD steps; defaults to `learning_rate`.
         directions (`str`, defaults to `"shared"`): `"shared"` (FedByZO) or `"per_client"` (FedES, paper 001).
         aggregation_space (`str`, defaults to `"projection"`): rules on R^nu vectors, or `"parameter"` on the
@@ -165,7 +174,17 @@ class ZOByzantineArguments(TrainingArguments):
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
     zo_schedule: ScheduleName = field(
-        default="two_forwards", metadata={"help": "two_forwards, cached, antithetic or auto."}
+        default="auto", metadata={"help": "auto (two_forwards with fused draws; else cached within "
+                                          "zo_cache_budget_gb), two_forwards, cached or antithetic."}
+    )
+    zo_cache_budget_gb: float = field(
+        default=1.0, metadata={"help": "Memory zo_schedule='auto' may spend on keeping a round's directions."}
+    )
+    zo_generator: GeneratorName = field(
+        default="counter", metadata={"help": "counter (same bits on every device) or torch (runs before 0.2)."}
+    )
+    zo_distribution: Distribution = field(
+        default="gaussian", metadata={"help": "gaussian or rademacher (counter generator only)."}
     )
     local_learning_rate: float | None = field(default=None, metadata={"help": "Local ZO-SGD step; lr if unset."})
     directions: Directions = field(default="shared", metadata={"help": "shared (FedByZO) or per_client (FedES)."})
@@ -218,6 +237,7 @@ class ZOByzantineArguments(TrainingArguments):
             check_integer(name, getattr(self, name), 1)
         check_integer("num_byzantine", self.num_byzantine, 0)
         check_integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
+        check_real("zo_cache_budget_gb", self.zo_cache_budget_gb, 0.0)
         for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
             if getattr(self, name) is not None:
                 check_integer(name, getattr(self, name), 1 if name == "clients_per_round" else 0)
@@ -250,16 +270,17 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError(
                 f"max_byzantine_per_round={self.max_byzantine_per_round} must be in [0, num_byzantine={b}]."
             )
-        _choice("byzantine_selection", self.byzantine_selection, BYZANTINE_SELECTIONS)
+        check_choice("byzantine_selection", self.byzantine_selection, BYZANTINE_SELECTIONS)
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= n:
             raise ValueError(f"clients_per_round={self.clients_per_round} must be in [1, num_clients={n}].")
-        _choice("partition", self.partition, PARTITIONS)
-        _choice("estimator", self.estimator, ESTIMATORS.names())
-        _choice("local_update", self.local_update, LOCAL_UPDATES)
-        _choice("directions", self.directions, DIRECTIONS)
-        _choice("zo_schedule", self.zo_schedule, SCHEDULES)
-        _choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
-        _choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_choice("partition", self.partition, PARTITIONS)
+        check_choice("estimator", self.estimator, ESTIMATORS.names())
+        check_choice("local_update", self.local_update, LOCAL_UPDATES)
+        check_choice("directions", self.directions, DIRECTIONS)
+        check_choice("zo_schedule", self.zo_schedule, SCHEDULES)
+        build_directions(self.zo_generator, self.zo_distribution)  # names both settings when they do not fit
+        check_choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
+        check_choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         if self.estimator == "first_order" and (self.local_steps != 1 or self.aggregation_space != "projection"):
             raise ValueError(
                 "estimator='first_order' (FedAvg) runs with local_steps=1 and aggregates in R^d already; "
@@ -277,10 +298,10 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError("aggregation_space='parameter' does not combine with local_update='compressed'.")
         if self.server_optimizer == "amsgrad" and self.aggregation_space == "parameter":
             raise ValueError("server_optimizer='amsgrad' works on seeded updates (aggregation_space='projection').")
-        _choice("aggregator", self.aggregator, AGGREGATORS.names())
+        check_choice("aggregator", self.aggregator, AGGREGATORS.names())
         for step in self.pre_aggregators:
-            _choice("pre_aggregators entry", parse_step(step)[0], PRE_AGGREGATORS.names())
-        _choice("attack", self.attack, ATTACKS.names())
+            check_choice("pre_aggregators entry", parse_step(step)[0], PRE_AGGREGATORS.names())
+        check_choice("attack", self.attack, ATTACKS.names())
         if self.attack != "none" and b == 0:
             raise ValueError(f"attack={self.attack!r} needs Byzantine clients: set num_byzantine >= 1.")
         # build once so that parameters and sizing are checked now, not at the first round

@@ -24,7 +24,7 @@ import torch
 
 from .estimators import ESTIMATORS
 from .messages import Plan, Report
-from .perturbation import ParameterTable, Terms, gaussian_like
+from .perturbation import ParameterTable, Terms
 
 
 class Oracle:
@@ -57,7 +57,7 @@ class Oracle:
             seed = self.seeds[i][r]
             dots.append(
                 sum(
-                    float(torch.dot(g.flatten().double(), gaussian_like(p, seed, j).flatten().double()))
+                    float(torch.dot(g.flatten().double(), self.table.directions.draw(p, seed, j).flatten().double()))
                     for (j, p), g in zip(self.table, client_grads, strict=True)
                 )
             )
@@ -68,8 +68,8 @@ def gram(table: ParameterTable, left: list[int], right: list[int]) -> torch.Tens
     """``G[a, b] = <z(left[a]), z(right[b])>`` over all parameters, streaming tensor by tensor."""
     total = torch.zeros(len(left), len(right), dtype=torch.float64)
     for j, p in table:
-        a = torch.stack([gaussian_like(p, s, j).flatten().double() for s in left])
-        b = torch.stack([gaussian_like(p, s, j).flatten().double() for s in right])
+        a = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in left])
+        b = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in right])
         total += a @ b.T
     return total
 
@@ -79,6 +79,9 @@ def client_reports(
 ) -> list[Report]:
     """The reports of clients ``ids`` (data sizes ``sizes``) for ``plan``, evaluated by ``clients``."""
     ids = [int(c) for c in ids]
+    if plan.generator != table.directions.describe():
+        raise ValueError(f"The plan's directions come from generator {plan.generator}; this client draws "
+                         f"{table.directions.describe()} and cannot reproduce them.")
     if plan.first_order:  # FedAvg baseline: each client's backprop gradient in R^d
         grads, losses = clients.gradients([[] for _ in ids])
         vectors = torch.stack([torch.cat([g.flatten().double() for g in gs]) for gs in grads])[:, None, :]

@@ -12,6 +12,8 @@ File format (version 2), one JSON object::
     parameters    [[name, [dim, ...]], ...]       trainable parameters, table order
     weight_decay  {name: wd}                      decayed parameters only
     server        {optimizer, local_lr, betas, eps, v0}
+    generator     optional: {name, version, distribution} of the direction generator (``directions.py``);
+                  absent in files written before it was recorded, which were all made by ``torch`` version 1
     fingerprint   SHA-256 (hex) of the starting trainable weights (see :func:`weights_fingerprint`), or
                   null when unknown (a run resumed from a version-1 ledger)
     rounds        [{round, lr[, loss][, participants], seeds, coefficients[, skipped][, dense]}, ...]
@@ -62,6 +64,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .directions import DISTRIBUTIONS, GENERATORS, TorchDirections, from_description
 from .optim import SERVER_OPTIMIZERS, ZOOptimizer, update_fits
 from .perturbation import ParameterTable, direction_seed
 from .validation import is_number
@@ -77,11 +80,12 @@ MAX_DEPTH = 8  # a valid ledger nests 5 deep (object, rounds, round, seeds, seed
 SEED_LIMIT = 1 << 64  # seed tuple entries are in [0, 2^64)
 SEED_TUPLE_LENGTHS = (4, 5)  # (s, t, l, r) or (s, t, l, r, client)
 
-HEADER = ("parameters", "weight_decay", "server")
+HEADER = ("parameters", "weight_decay", "server", "generator")
 SERVER_KEYS = ("optimizer", "local_lr", "betas", "eps", "v0")
 _KEYS = {
     1: ({"format", "version", "parameters", "weight_decay", "server", "rounds", "digest"}, set()),
-    2: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "rounds", "digest"}, {"hmac"}),
+    2: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "rounds", "digest"},
+        {"hmac", "generator"}),
 }
 _ROUND_KEYS = ({"round", "lr", "seeds", "coefficients"}, {"loss", "participants", "skipped", "dense"})
 CLIENT_LIMIT = 1 << 63  # client ids are in [0, 2^63)
@@ -249,6 +253,20 @@ def _check_header(data: dict) -> None:
         _finite(beta, f"server.betas[{i}]", low=0, high=1, open_high=True)
 
 
+def _check_generator(generator) -> None:
+    _object(generator, "generator", ({"name", "version", "distribution"}, set()))
+    if generator["name"] not in GENERATORS:
+        _fail("generator.name", f"one of {list(GENERATORS)}", generator["name"])
+    _int(generator["version"], "generator.version")
+    if generator["distribution"] not in DISTRIBUTIONS:
+        _fail("generator.distribution", f"one of {list(DISTRIBUTIONS)}", generator["distribution"])
+
+
+def generator_of(data: dict) -> dict:
+    """The generator a checked ledger names; files without the field were written with ``torch`` version 1."""
+    return data.get("generator") or TorchDirections().describe()
+
+
 def _check_content(data) -> int:
     """Schema of a whole ledger (not its digest); returns its version."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -260,6 +278,8 @@ def _check_content(data) -> int:
     _object(data, "ledger", _KEYS[version])
     _check_header(data)
     if version >= 2:
+        if "generator" in data:
+            _check_generator(data["generator"])
         if data["fingerprint"] is not None:
             _hex64(data["fingerprint"], "fingerprint")
         if "hmac" in data:
@@ -471,6 +491,7 @@ class Ledger:
             "eps": float(optimizer.eps),
             "v0": float(optimizer.v0),
         }
+        self.generator = table.directions.describe()
         self.fingerprint: str | None = weights_fingerprint(table)
         self._rounds: list[dict] = []
         if rounds:
@@ -548,10 +569,11 @@ class Ledger:
         again here, with its HMAC given ``key``), whose header (parameters, weight_decay, server) must equal
         this ledger's. Raises :class:`LedgerError` naming every header field that differs."""
         data = _check(data, "to continue from", key)
-        differ = [name for name in HEADER if data[name] != getattr(self, name)]
+        theirs = {**{name: data[name] for name in HEADER if name in data}, "generator": generator_of(data)}
+        differ = [name for name in HEADER if theirs[name] != getattr(self, name)]
         if differ:
             details = "; ".join(
-                f"{name}: the ledger has {_describe(data[name])}, this run {_describe(getattr(self, name))}"
+                f"{name}: the ledger has {_describe(theirs[name])}, this run {_describe(getattr(self, name))}"
                 for name in differ
             )
             fields = ", ".join(differ)
@@ -571,6 +593,7 @@ class Ledger:
             "parameters": self.parameters,
             "weight_decay": self.weight_decay,
             "server": self.server,
+            "generator": self.generator,
             "fingerprint": self.fingerprint,
             "rounds": self._rounds,
         }
@@ -638,7 +661,11 @@ def replay(
         data = Ledger.read(ledger, key=key, max_bytes=max_bytes)
     else:
         data = _check(ledger, "given as a dict", key)
-    table = ParameterTable(model)
+    try:
+        directions = from_description(generator_of(data))
+    except ValueError as err:
+        raise LedgerError(str(err)) from err
+    table = ParameterTable(model, directions)
     expected = [[name, list(p.shape)] for name, p in zip(table.names, table.params, strict=True)]
     if expected != data["parameters"]:
         raise LedgerError(

@@ -38,6 +38,7 @@ class Plan:
     local_steps: int
     local_lr: float
     local_update: str
+    generator: dict  # the direction generator's name, version and distribution (``Directions.describe()``)
 
     def keys(self, step: int, client: int) -> list[tuple[int, ...]]:
         """Seed tuples of ``client``'s directions at local step ``step``."""
@@ -45,6 +46,11 @@ class Plan:
 
     def seeds(self, step: int, client: int) -> list[int]:
         return [direction_seed(*k) for k in self.keys(step, client)]
+
+    def num_directions(self, num_clients: int) -> int:
+        """Directions ``num_clients`` of this round's participants evaluate (what ``cached`` keeps)."""
+        per_step = self.num_perturbations * (num_clients if self.per_client else 1)
+        return per_step * (self.local_steps + (self.local_update == "compressed"))
 
     @property
     def first_order(self) -> bool:

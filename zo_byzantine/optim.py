@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .perturbation import ParameterTable, Terms, apply_update, combination
+from .perturbation import ParameterTable, Terms, apply_update
 from .validation import check_real
 
 SERVER_OPTIMIZERS = ("sgd", "amsgrad")
@@ -108,8 +108,8 @@ class ZOOptimizer(torch.optim.Optimizer):
             apply_update(self.table, self._staged, lr, decay, self._cache)
         else:
             for index, param in self.table:
-                g = self._dense[index] if self._dense is not None else combination(param, index, self._staged,
-                                                                                   self._cache)
+                g = self._dense[index] if self._dense is not None else self.table.directions.total(
+                    param, index, self._staged, self._cache)
                 if decay.get(index):
                     param.mul_(1.0 - lr * decay[index])
                 param.add_(self._server_direction(param, g), alpha=-lr)

@@ -1,15 +1,13 @@
-"""Shared-seed Gaussian directions and perturbed forward passes (SPEC 1.2, 1.3).
+"""Shared-seed directions and perturbed forward passes (SPEC 1.2, 1.3).
 
-Direction ``r`` of local step ``l`` in round ``t`` is ``z = (z_0, z_1, ...)``, one Gaussian
-tensor per trainable parameter, regenerated on demand from the seed tuple ``(s, t, l, r)``:
+Direction ``r`` of local step ``l`` in round ``t`` is ``z = (z_0, z_1, ...)``, one tensor per
+trainable parameter, regenerated on demand from the seed tuple ``(s, t, l, r)``:
 
     direction_seed = SeedSequence([s, t, l, r])
-    z_j ~ N(0, I) drawn by a dedicated ``torch.Generator`` seeded with mix(direction_seed, j)
+    z_j = the table's generator (``directions.py``) at (direction_seed, j)
 
-Each tensor has its own generator, so ``z_j`` does not depend on the order in which tensors
-are visited, and no direction is ever held whole. Generators are created on the parameter's
-device: CPU and CUDA give different streams for the same seed, so every party of a run must
-generate on the same device type.
+Each tensor has its own stream, so ``z_j`` does not depend on the order in which tensors are
+visited, and no direction is ever held whole.
 
 A perturbed forward evaluates ``F(w + sum_k c_k z_k)`` without modifying the stored weights:
 a pre-forward hook on each module that owns trainable parameters swaps in ``p + sum_k c_k z_k``
@@ -23,82 +21,28 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 from torch import nn
 
-_MASK64 = (1 << 64) - 1
+from .directions import COUNTER, Directions, Terms, build_directions, direction_seed, tensor_seed
 
-
-def direction_seed(*key: int) -> int:
-    """Map the seed tuple ``(s, t, l, r)`` (``(s, t, l, r, client)`` for per-client directions) to a 63-bit
-    generator seed (SPEC 1.2)."""
-    state = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint32)
-    return ((int(state[0]) << 32) | int(state[1])) & (_MASK64 >> 1)
-
-
-def tensor_seed(seed: int, index: int) -> int:
-    """SplitMix64 of ``seed + (index + 1) * golden``: the seed of tensor ``index`` of a direction."""
-    x = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & (_MASK64 >> 1)
-
-
-class GeneratorCounter:
-    """Counts Gaussian numbers drawn, to report generator passes (``drawn / d``) per round."""
-
-    def __init__(self) -> None:
-        self.drawn = 0
-
-    def add(self, n: int) -> None:
-        self.drawn += n
-
-
-COUNTER = GeneratorCounter()
-
-
-def gaussian_like(param: torch.Tensor, seed: int, index: int) -> torch.Tensor:
-    """Draw ``z_index ~ N(0, I)`` with the shape, dtype and device of ``param``."""
-    generator = torch.Generator(device=param.device)
-    generator.manual_seed(tensor_seed(seed, index))
-    COUNTER.add(param.numel())
-    return torch.randn(param.shape, generator=generator, dtype=param.dtype, device=param.device)
-
-
-Terms = Sequence[tuple[int, float]]  # (direction seed, coefficient) pairs: sum_k c_k z_k
-
-
-def combination(param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
-    """``sum_k c_k z_k[index]`` for the (direction seed, coefficient) pairs in ``terms``.
-
-    With ``cache`` (a dict), each ``z_k[index]`` is drawn once and kept there for later calls."""
-    total = None
-    for seed, coeff in terms:
-        if cache is None:
-            z = gaussian_like(param, seed, index)
-        else:
-            if (seed, index) not in cache:
-                cache[(seed, index)] = gaussian_like(param, seed, index)
-            z = cache[(seed, index)].clone()
-        if total is None:
-            total = z.mul_(coeff)
-        else:
-            total.add_(z, alpha=coeff)
-    return total
+__all__ = ["COUNTER", "ParameterTable", "Terms", "antithetic", "apply_update", "direction_seed", "perturbed",
+           "tensor_seed"]
 
 
 class ParameterTable:
     """The trainable parameters of a model in a fixed order, with their owning modules.
 
     Index ``j`` of a parameter is its position in ``model.named_parameters()`` (trainable only,
-    tied parameters once); it names the tensor ``z_j`` of every direction.
+    tied parameters once); it names the tensor ``z_j`` of every direction, drawn by ``directions``
+    (the run's generator; default ``counter``, Gaussian).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, directions: Directions | None = None):
+        self.directions = directions if directions is not None else build_directions()
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         index_of: dict[int, int] = {}
@@ -142,14 +86,15 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
     """Within the block, forwards of the table's model compute ``F(w + sum_k c_k z_k)``.
 
     Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
-    while it runs. With no terms, the block is a plain forward. ``cache``: see :func:`combination`.
+    while it runs. With no terms, the block is a plain forward. ``cache``: directions kept by seed
+    (``Directions.total``); a tied parameter is perturbed once per forward and shared by its owners.
     """
     if not terms:
         yield
         return
     handles = []
     saved: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    tied_cache: dict = {}
+    tied: dict[int, torch.Tensor] = {}
 
     def swap_in(module, _args):
         originals = []
@@ -157,8 +102,12 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
             param = module._parameters[name]
             originals.append((name, param))
             table.reached.add(index)
-            store = cache if cache is not None else (tied_cache if index in table.tied else None)
-            module._parameters[name] = param + combination(param.detach(), index, terms, store)  # grads flow
+            shifted = tied.get(index)
+            if shifted is None:
+                shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
+                if index in table.tied:
+                    tied[index] = shifted
+            module._parameters[name] = shifted
         saved[id(module)] = originals
 
     def swap_out(module, _args, _output):
@@ -179,7 +128,14 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
                 module._parameters[name] = param
 
 
-_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
+def _new_pool() -> None:
+    global _POOL
+    _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
+
+
+_new_pool()
+if hasattr(os, "register_at_fork"):  # a forked child has no pool threads
+    os.register_at_fork(after_in_child=_new_pool)
 
 
 def apply_update(
@@ -192,10 +148,12 @@ def apply_update(
     """In place: ``w_j <- w_j - lr * (sum_k c_k z_k[j] + wd_j * w_j)`` for every parameter ``j``.
 
     This is the only write to the weights; training and ledger replay both call it, so a replay
-    reproduces the trained weights bitwise. Tensors are independent (one generator each), so they are
-    updated by a small thread pool (torch releases the GIL); the arithmetic per tensor is unchanged.
-    With ``cache`` (directions kept by the ``cached`` schedule) no ``z`` is drawn again.
+    reproduces the trained weights bitwise. Tensors are independent (one stream each): a generator
+    that is not multi-threaded itself gets them mapped over a small thread pool (torch releases the
+    GIL); the arithmetic per tensor is unchanged. With ``cache`` (directions kept by the ``cached``
+    schedule) no ``z`` is drawn again.
     """
+    directions = table.directions
 
     def update(item):
         index, param = item
@@ -204,9 +162,13 @@ def apply_update(
             if decay:
                 param.mul_(1.0 - lr * decay)
             if terms:
-                param.add_(combination(param, index, terms, cache), alpha=-lr)
+                directions.step_(param, index, terms, lr, cache)
 
-    list(_POOL.map(update, table))
+    if directions.threads_per_tensor:
+        for item in table:
+            update(item)
+    else:
+        list(_POOL.map(update, table))
 
 
 _HALF = threading.local()  # sign of the half an enclosing owner module is running (nested owners)
@@ -248,30 +210,20 @@ def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: 
     """
     owned_by = {id(module): owned for module, owned in table.owners}
 
-    tied: dict[int, tuple] = {}  # tied parameters: (z, offset) drawn once for all their owners
-
-    def draw(param: torch.Tensor, index: int) -> tuple:
-        if index in tied:
-            return tied[index]
-        drawn = (gaussian_like(param, seed, index), combination(param, index, base) if base else None)
-        if index in table.tied:
-            tied[index] = drawn
-        return drawn
+    tied: dict = {}  # tied parameters' directions, drawn once for all their owners
+    directions = table.directions
 
     def wrap(module, forward):
         def split_forward(*args, **kwargs):
             sign = getattr(_HALF, "sign", None)
             shifts = []
             for name, index in owned_by[id(module)]:
-                param = module._parameters[name]
                 table.reached.add(index)
-                z, offset = draw(param.detach(), index)
-                shifts.append((name, param, z, offset))
+                shifts.append((name, module._parameters[name], index, tied if index in table.tied else {}))
 
-            def set_half(s: float):
-                for name, param, z, offset in shifts:
-                    delta = z.mul(s * mu) if offset is None else offset.clone().add_(z, alpha=s * mu)
-                    module._parameters[name] = param + delta
+            def set_half(s: float):  # the terms of two_forwards, base + [(seed, +-mu)]; z drawn once per module
+                for name, param, index, kept in shifts:
+                    module._parameters[name] = directions.perturb(param, index, [*base, (seed, s * mu)], kept)
 
             try:
                 if sign is not None:  # called inside an enclosing owner's half: no second split

@@ -25,7 +25,7 @@ from .attacks import Attack
 from .context import RoundContext, SizingError
 from .messages import Downlink, Plan, Report
 from .optim import update_fits
-from .perturbation import ParameterTable, gaussian_like
+from .perturbation import ParameterTable
 from .validation import is_integer
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) 
     """Rows ``sum_r v_i[r] z_r`` in R^d (m x d): the FedZO view of the clients' estimates."""
     parts = []
     for j, p in table:
-        z = torch.stack([gaussian_like(p, s, j).flatten().double() for s in seeds])
+        z = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in seeds])
         parts.append(vectors @ z)
     return torch.cat(parts, dim=1)
 
@@ -116,6 +116,7 @@ class Server:
             local_steps=s.local_steps,
             local_lr=float(local_lr),
             local_update=s.local_update,
+            generator=self.table.directions.describe(),
         )
 
     def width(self) -> int:

@@ -3,12 +3,16 @@ calls ``clients``.
 
 Every participant's examples are stacked in one batch; losses at ``w + sum_k c_k z_k`` come from one
 batched forward per sign when all clients share their terms (one per client otherwise), split per client
-by ``client_of_example``. Schedules of the two-point pair (``zo_schedule``):
+by ``client_of_example``. Schedules of the two-point pair (``zo_schedule``), all exact (the losses of
+two_forwards, bitwise for cached):
 
-    two_forwards  two forwards, z drawn for each (and again for the update): 3 passes per direction
-    cached        z drawn once per round and kept (nu d floats) for the second forward and the update
+    two_forwards  two forwards, z drawn (fused into p + c z) for each and for the update: 3 passes
+    cached        z drawn once per round and kept (nu d values) for the second forward and the update
     antithetic    one forward of the doubled batch [x; x], each module drawing z once for +mu and -mu
-    auto          antithetic if it reproduces two forwards for this model (checked once), else two_forwards
+                  (checked against two forwards at its first round; two_forwards if it does not match)
+    auto          two_forwards when the generator draws and adds in one fused pass (regenerating z costs
+                  less than reading it back); else cached when the round's directions fit
+                  ``zo_cache_budget_gb``; else two_forwards
 """
 
 from __future__ import annotations
@@ -26,10 +30,26 @@ logger = logging.getLogger(__name__)
 
 
 class Schedule:
-    """The two-point schedule of a run; ``"auto"`` resolves at the first round and stays resolved."""
+    """The two-point schedule of a run; ``"auto"`` resolves at the first round and stays resolved.
 
-    def __init__(self, name: str):
-        self.name = name
+    Args:
+        name: ``zo_schedule``.
+        cache_budget_gb: ``zo_cache_budget_gb``, the memory ``auto`` may spend on keeping a round's directions.
+    """
+
+    def __init__(self, name: str, cache_budget_gb: float = 0.0):
+        self.name, self.cache_budget_gb = name, cache_budget_gb
+        self.verified = name != "antithetic"  # antithetic is checked against two forwards once
+
+    def resolve(self, kept_bytes: int, fused: bool) -> str:
+        """The schedule of a round whose kept directions would take ``kept_bytes``; ``fused``: the generator draws
+        and adds every trainable tensor in one pass."""
+        if self.name == "auto":
+            fits = kept_bytes <= self.cache_budget_gb * 2**30
+            self.name = "cached" if fits and not fused else "two_forwards"
+            logger.info("zo_schedule='auto': %s (fused draws: %s; the round's directions take %.3g GB, "
+                        "zo_cache_budget_gb=%g).", self.name, fused, kept_bytes / 2**30, self.cache_budget_gb)
+        return self.name
 
 
 def _rows(inputs: dict) -> int:
@@ -120,8 +140,9 @@ class BatchedClients:
 
     def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses at ``w_i + offset_i +- mu z_i`` with the run's schedule."""
-        if self.schedule.name == "auto":
+        if not self.schedule.verified:
             self.schedule.name = self.choose_schedule(offsets, seeds, mu)
+            self.schedule.verified = True
         if self.schedule.name == "antithetic":
             if all(o == offsets[0] for o in offsets) and len(set(seeds)) == 1:
                 return self.antithetic_losses(self.inputs, self.rows, self.m, offsets[0], seeds[0], mu)
@@ -137,9 +158,9 @@ class BatchedClients:
         return plus, minus
 
     def choose_schedule(self, offsets, seeds, mu) -> str:
-        """``auto``: the antithetic forward if it gives the two-forward losses for this model, else two_forwards."""
+        """The antithetic forward if it gives the two-forward losses for this model, else two_forwards."""
         reference = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)])
-        self.schedule.name = "antithetic"
+        self.schedule.verified = True
         try:
             candidate = self.loss_pair(offsets, seeds, mu)[0]
             agrees = torch.allclose(candidate, reference, rtol=1e-4, atol=1e-6)

@@ -27,12 +27,13 @@ from .attacks import build_attack
 from .card import rewrite_card
 from .checks import build_federation, check_dense_memory, check_label_flipping, check_sizing
 from .client import client_reports
+from .directions import COUNTER, build_directions
 from .federation import FederatedBatchSampler, Federation
 from .ledger import LEDGER_NAME, Ledger, LedgerError
 from .losses import PerExampleForward
 from .messages import Downlink, Plan, Report
 from .optim import ZOOptimizer
-from .perturbation import COUNTER, ParameterTable
+from .perturbation import ParameterTable
 from .server import Server
 from .simulation import BatchedClients, Schedule, flip_labels, model_num_labels
 
@@ -94,7 +95,7 @@ class ZOByzantineTrainer(Trainer):
         self.server: Server | None = None
         self.ledger: Ledger | None = None
         self.forward_per_example = PerExampleForward()
-        self.schedule = Schedule(zo.zo_schedule)
+        self.schedule = Schedule(zo.zo_schedule, zo.zo_cache_budget_gb)
         self._checked_reach = False
         self._window = self._empty_window()
         self._run_loss = {"loss_sum": 0.0, "loss_count": 0}  # for train_loss: NaN, not 0, if no round computed one
@@ -106,7 +107,7 @@ class ZOByzantineTrainer(Trainer):
         """A :class:`ZOOptimizer` over the trainable parameters (decay groups as ``Trainer``)."""
         opt_model = self.model if model is None else model
         if self.optimizer is None:
-            self.table = ParameterTable(opt_model)
+            self.table = ParameterTable(opt_model, build_directions(self.args.zo_generator, self.args.zo_distribution))
             decay = set(self.get_decay_parameter_names(opt_model))
             names = self.table.names
             groups = [
@@ -203,7 +204,10 @@ class ZOByzantineTrainer(Trainer):
         lr = self.zo_optimizer.learning_rate()
         local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else lr
         plan = self.server.plan(t, participants, local_lr)
-        cache = {} if self.schedule.name == "cached" else None  # the round's directions (nu d floats)
+        directions = self.table.directions
+        kept = directions.kept_bytes(self.table.params) * plan.num_directions(len(ids))
+        fused = all(directions.fused(p) for p in self.table.params)
+        cache = {} if self.schedule.resolve(kept, fused) == "cached" else None  # the round's directions
         sizes = [len(self.federation.partitions[c]) for c in ids]
         with torch.no_grad():
             reports = client_reports(plan, self.round_clients(model, inputs, len(ids), cache), self.table, ids, sizes)

@@ -31,3 +31,9 @@ def check_real(name: str, value, low: float, high: float = math.inf, low_open: b
             f"in {'(' if low_open else '['}{low:g}, {high:g}]"
         raise ValueError(f"{name}={value!r} must be a finite number {accepted}.")
     return value
+
+
+def check_choice(name: str, value, accepted) -> None:
+    """``value`` is one of ``accepted``."""
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}.")

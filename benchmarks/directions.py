@@ -1,0 +1,50 @@
+"""Cost of drawing a direction: the counter generator against ``torch.randn``, per element, in one run.
+
+    python benchmarks/directions.py              # 22.7M elements (all-MiniLM-L6-v2's d), best of 7, interleaved
+
+Rows (float32, CPU, torch's thread count): ``torch.randn`` into a preallocated tensor (MT19937 + Box-Muller,
+the ``torch`` generator's draw); the counter stream by the compiled kernel and by its plain-torch path; and
+the fused sum a perturbed forward needs, ``p + c z``, against the ``torch`` generator's ``randn`` then
+``p + c z`` in two more passes. Ratios are ``torch.randn``'s time over each row's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _common import interleaved, machine
+
+from zo_byzantine import native
+from zo_byzantine.directions import CounterDirections, TorchDirections, counter_stream, tensor_seed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=22_713_216)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    n, key = args.numel, tensor_seed(12345, 0)
+    if native.library() is None:
+        raise SystemExit("The compiled kernel could not be built here (see the warning above).")
+    buffer, param = torch.empty(n), torch.randn(n)
+    generator = torch.Generator().manual_seed(0)
+    counter, legacy = CounterDirections(), TorchDirections()
+    rows = {
+        "torch.randn (the torch generator's draw)": lambda: torch.randn(n, generator=generator, out=buffer),
+        "counter, compiled kernel": lambda: native.generate(buffer, key, True),
+        "counter, rademacher, compiled kernel": lambda: native.generate(buffer, key, False),
+        "counter, plain torch (fallback)": lambda: counter_stream(key, n, "gaussian"),
+        "p + c z, counter fused (one pass)": lambda: counter.perturb(param, 0, [(12345, 1e-3)]),
+        "p + c z, torch generator (randn, scale, add)": lambda: legacy.perturb(param, 0, [(12345, 1e-3)]),
+    }
+    times = interleaved(rows, args.repeats)
+    randn = times["torch.randn (the torch generator's draw)"]
+    print(f"# direction draws: {n / 1e6:.1f}M float32 elements; {machine()}; best of {args.repeats}")
+    print("| what | ns per element | torch.randn time / this time |\n|---|---|---|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds / n * 1e9:.2f} | {randn / seconds:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

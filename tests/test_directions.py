@@ -1,0 +1,216 @@
+"""The counter-based direction generator: exact integer stream, kernel == plain torch bitwise, the distribution
+(moments, tails, accuracy of the transform against float64 Box-Muller), the fused sums, and runs with it."""
+
+import copy
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import LogisticRegression, VectorDataset, make_trainer
+
+from zo_byzantine import native
+from zo_byzantine.directions import (
+    GAMMA,
+    MIX1,
+    MIX2,
+    CounterDirections,
+    TorchDirections,
+    build_directions,
+    counter_stream,
+    direction_seed,
+    mix,
+    tensor_seed,
+)
+from zo_byzantine.ledger import replay
+from zo_byzantine.perturbation import ParameterTable, apply_update
+
+M64 = (1 << 64) - 1
+needs_kernel = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                  reason="no C compiler: the compiled kernel cannot be built here")
+
+
+def _python_mix(key: int, pair: int) -> int:
+    x = (key + (pair + 1) * GAMMA) & M64
+    x = ((x ^ (x >> 30)) * MIX1) & M64
+    x = ((x ^ (x >> 27)) * MIX2) & M64
+    return x ^ (x >> 31)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int64 if t.element_size() == 8
+                               else torch.int16)
+
+
+def test_integer_stream_is_exact_64_bit_arithmetic():
+    """torch's wrapping int64 arithmetic gives SplitMix64 mod 2^64, as Python's integers compute it."""
+    keys = [0, 1, (1 << 62) + 12345, (1 << 63) - 1, tensor_seed(direction_seed(1, 2, 3, 4), 7)]
+    pairs = [0, 1, 2, 2**31 - 1, 2**32 + 5, 2**40, 2**62 - 1]
+    for key in keys:
+        got = mix(key, torch.tensor(pairs, dtype=torch.int64))
+        assert [v & M64 for v in got.tolist()] == [_python_mix(key, p) for p in pairs]
+
+
+@needs_kernel
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("numel", [1, 2, 3, 1001, native.MIN_PARALLEL + 3])  # odd sizes, several threads
+def test_compiled_kernel_equals_plain_torch_bitwise(distribution, numel):
+    assert native.library() is not None
+    gaussian = distribution == "gaussian"
+    keys = [tensor_seed(direction_seed(5, t, 1, 0), 3) for t in range(3)]
+    coeffs = [1e-3, -0.37, 2.5]
+    z = torch.empty(numel)
+    native.generate(z, keys[0], gaussian)
+    assert torch.equal(_bits(z), _bits(counter_stream(keys[0], numel, distribution)))
+    for dtype in (torch.float32, torch.float64):
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(numel), dtype=dtype)
+        out = torch.empty_like(base)
+        native.combine(base, out, keys, coeffs, gaussian)
+        acc = None
+        for key, c in zip(keys, coeffs, strict=True):
+            term = counter_stream(key, numel, distribution).to(dtype) * c
+            acc = term if acc is None else acc + term
+        assert torch.equal(_bits(out), _bits(base + acc)), dtype
+        native.combine(base, base, keys, coeffs, gaussian)  # in place
+        assert torch.equal(_bits(base), _bits(out))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_every_path_of_the_generator_gives_the_same_bits(dtype, monkeypatch):
+    """Fused kernel, kept directions (cached), gradient-carrying forward and plain torch agree, in every dtype."""
+    gen = CounterDirections()
+    param = torch.randn(3, 70001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    terms = [(direction_seed(1, 0, 1, r), c) for r, c in enumerate((1e-3, -2e-3))]
+    fused = gen.perturb(param, 4, terms)
+    kept = gen.perturb(param, 4, terms, cache={})
+    with torch.enable_grad():
+        tracked = gen.perturb(param.clone().requires_grad_(True), 4, terms)
+    stepped = param.clone()
+    gen.step_(stepped, 4, terms, lr=0.5)
+    stepped_kept = param.clone()
+    gen.step_(stepped_kept, 4, terms, lr=0.5, cache={})
+    monkeypatch.setattr(native, "library", lambda: None)  # no kernel: the plain-torch path
+    plain = gen.perturb(param, 4, terms)
+    plain_step = param.clone()
+    gen.step_(plain_step, 4, terms, lr=0.5)
+    for other in (kept, tracked.detach(), plain):
+        assert torch.equal(_bits(fused), _bits(other))
+    assert torch.equal(_bits(stepped), _bits(stepped_kept)) and torch.equal(_bits(stepped), _bits(plain_step))
+    assert tracked.grad_fn is not None
+    assert not torch.equal(fused, param)
+
+
+def test_gaussian_moments_tails_and_independence():
+    n = 1 << 22
+    z = counter_stream(tensor_seed(direction_seed(0, 0, 1, 0), 0), n, "gaussian").double()
+    assert abs(float(z.mean())) < 5 / math.sqrt(n)
+    assert abs(float(z.var()) - 1) < 5 * math.sqrt(2 / n)
+    assert abs(float((z**3).mean())) < 5 * math.sqrt(15 / n)
+    assert abs(float((z**4).mean()) - 3) < 5 * math.sqrt(96 / n)
+    for x in (1.0, 2.0, 3.0, 4.0):  # P(|z| > x) against 2 Phi(-x), within 5 binomial standard deviations
+        p = math.erfc(x / math.sqrt(2))
+        assert abs(float((z.abs() > x).double().mean()) - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-7, x
+    assert float(z.abs().max()) <= math.sqrt(2 * 24 * math.log(2)) + 1e-6  # u >= 2^-24
+    other = counter_stream(tensor_seed(direction_seed(0, 0, 1, 1), 0), n, "gaussian").double()
+    next_tensor = counter_stream(tensor_seed(direction_seed(0, 0, 1, 0), 1), n, "gaussian").double()
+    for a, b in ((z[::2], z[1::2]), (z[:-1], z[1:]), (z, other), (z, next_tensor)):  # pairs, neighbours, streams
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / math.sqrt(len(a))
+
+
+def test_gaussian_transform_is_box_muller_to_float32_accuracy():
+    """Independent reference: Box-Muller in float64 with numpy's log, sqrt, cos and sin, from the same words."""
+    key, pairs = 12345, 1 << 16
+    words = [v & M64 for v in mix(key, torch.arange(pairs)).tolist()]
+    hi = np.array([w >> 40 for w in words], dtype=np.float64)
+    lo = np.array([w & 0xFFFFFF for w in words], dtype=np.float64)
+    r = np.sqrt(-2 * np.log((hi + 1) / 2**24))
+    octant, f = np.floor(lo / 2**21), np.mod(lo, 2**21)
+    f = np.where(np.mod(octant, 2) == 1, 2**21 - 1 - f, f)  # odd octants count from their end
+    v = (f + 0.5) / 2**21
+    theta = (octant + np.where(np.mod(octant, 2) == 1, 1 - v, v)) * (np.pi / 4)
+    expected = np.stack([r * np.cos(theta), r * np.sin(theta)], axis=1).reshape(-1)
+    got = counter_stream(key, 2 * pairs, "gaussian").double().numpy()
+    assert np.max(np.abs(got - expected) / np.maximum(1.0, np.abs(expected))) < 2e-6
+
+
+def test_rademacher_is_plus_minus_one_balanced_and_exact():
+    n = 1 << 20
+    z = counter_stream(77, n, "rademacher")
+    assert set(z.unique().tolist()) == {-1.0, 1.0}
+    assert abs(float(z.double().mean())) < 5 / math.sqrt(n)
+    assert abs(float(torch.corrcoef(torch.stack([z[:-1], z[1:]]).double())[0, 1])) < 5 / math.sqrt(n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_stream_equals_cpu_bitwise():
+    for distribution in ("gaussian", "rademacher"):
+        cpu = counter_stream(99, 1 << 20, distribution)
+        cuda = counter_stream(99, 1 << 20, distribution, device="cuda").cpu()
+        assert torch.equal(_bits(cpu), _bits(cuda))
+        assert torch.equal(mix(99, torch.arange(1000)), mix(99, torch.arange(1000, device="cuda")).cpu())
+
+
+def test_update_follows_the_documented_formula_with_weight_decay():
+    model = LogisticRegression().double()
+    table = ParameterTable(model)
+    start = [p.detach().clone() for p in table.params]
+    seeds = [direction_seed(5, 1, 1, r) for r in range(3)]
+    coeffs, lr, wd = [0.3, -1.2, 0.05], 0.1, 0.01
+    apply_update(table, list(zip(seeds, coeffs, strict=True)), lr, {0: wd})
+    for j, (p, w) in enumerate(zip(table.params, start, strict=True)):
+        w = w * (1 - lr * wd) if j == 0 else w
+        step = sum(c * counter_stream(tensor_seed(s, j), w.numel(), "gaussian").double().view_as(w)
+                   for s, c in zip(seeds, coeffs, strict=True))
+        torch.testing.assert_close(p.detach(), w - lr * step, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("settings", [{"zo_distribution": "rademacher"}, {"zo_generator": "torch"},
+                                      {"zo_schedule": "cached"}, {"zo_schedule": "two_forwards"}])
+def test_runs_with_each_generator_replay_bitwise(tmp_path, settings):
+    torch.manual_seed(0)
+    model = LogisticRegression()
+    start = copy.deepcopy(model)
+    trainer = make_trainer(model, VectorDataset(128), tmp_path, max_steps=3, num_perturbations=2, weight_decay=0.01,
+                           **settings)
+    trainer.train()
+    assert trainer.ledger.generator["name"] == settings.get("zo_generator", "counter")
+    replayed = replay(start, trainer.ledger)
+    for a, b in zip(ParameterTable(replayed).params, ParameterTable(model).params, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_training_without_the_kernel_gives_the_same_run(tmp_path, monkeypatch):
+    runs = []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(native, "library", lambda: None)
+        torch.manual_seed(0)
+        model = LogisticRegression()
+        trainer = make_trainer(model, VectorDataset(128), tmp_path / str(use_kernel), max_steps=3, num_perturbations=2)
+        trainer.train()
+        runs.append((trainer.ledger.rounds, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_client_refuses_a_plan_from_another_generator():
+    from zo_byzantine.aggregators import build_aggregator
+    from zo_byzantine.client import client_reports
+    from zo_byzantine.server import Server, Settings
+
+    server = Server(Settings(0), build_aggregator("mean"), ParameterTable(torch.nn.Linear(2, 1), TorchDirections()))
+    plan = server.plan(0, [0], 0.1)
+    with pytest.raises(ValueError, match="cannot reproduce"):
+        client_reports(plan, None, ParameterTable(torch.nn.Linear(2, 1)), [0], [1])
+
+
+@pytest.mark.parametrize("name, distribution, message", [
+    ("philox", "gaussian", "zo_generator='philox'"),
+    ("counter", "uniform", "zo_distribution='uniform'"),
+    ("torch", "rademacher", "zo_generator='torch'"),
+])
+def test_bad_generator_settings_are_named(name, distribution, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        build_directions(name, distribution)

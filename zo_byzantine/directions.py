@@ -1,0 +1,314 @@
+"""Direction generators: how tensor ``z_j`` of the direction with seed ``s`` is drawn, and the fused sums
+``w + sum_k c_k z_k`` every perturbed forward, update and ledger replay is made of (SPEC 1.2).
+
+``counter`` (default): element ``k`` of ``z_j`` is a pure function of ``(s, j, k)``: a SplitMix64 hash of
+a counter (``counter.c``), then Box-Muller (``gaussian``) or one bit (``rademacher``). The transform uses
++, -, *, / and sqrt only (ln, sin and cos are fixed polynomials), each rounded once, so the bits are the
+same on every IEEE-754 device, CPU or GPU, compiled kernel or plain torch. Gaussian values lie within
+|z| <= 5.77 (u >= 2^-24, as any float32 Box-Muller); the polynomials' error is below 1e-6 relative, far
+below what the estimator can see: ``E[z] = 0`` and ``E[z z^T] = I`` are what it needs.
+
+``torch`` (version 1): ``torch.randn`` from a ``torch.Generator`` per tensor, the stream of runs made
+before the counter generator (their ledgers replay with it). CPU (MT19937) and CUDA (Philox) streams
+differ: every party of such a run must generate on the same device type.
+
+A ledger records ``describe()`` of its run's generator; ``from_description`` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import native
+from .validation import check_choice
+
+_MASK64 = (1 << 64) - 1
+GAMMA, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+DISTRIBUTIONS = ("gaussian", "rademacher")
+Terms = list[tuple[int, float]]  # (direction seed, coefficient) pairs: sum_k c_k z_k
+
+
+def direction_seed(*key: int) -> int:
+    """Map the seed tuple ``(s, t, l, r)`` (``(s, t, l, r, client)`` for per-client directions) to a 63-bit
+    direction seed (SPEC 1.2)."""
+    state = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint32)
+    return ((int(state[0]) << 32) | int(state[1])) & (_MASK64 >> 1)
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """SplitMix64 of ``seed + (index + 1) * GAMMA``: the key of tensor ``index`` of a direction (63 bits)."""
+    x = (seed + (index + 1) * GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * MIX2) & _MASK64
+    return (x ^ (x >> 31)) & (_MASK64 >> 1)
+
+
+class GeneratorCounter:
+    """Counts direction values drawn, to report generator passes (``drawn / d``) per round."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def add(self, n: int) -> None:
+        self.drawn += n
+
+
+COUNTER = GeneratorCounter()
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as torch's int64 (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def mix(key: int, pairs: torch.Tensor) -> torch.Tensor:
+    """``splitmix64(key + (pair + 1) GAMMA)`` for int64 ``pairs``, as int64 bit patterns (wrapping arithmetic)."""
+    x = (pairs + 1) * _signed(GAMMA) + _signed(key)
+    x = (x ^ _lsr(x, 30)) * _signed(MIX1)
+    x = (x ^ _lsr(x, 27)) * _signed(MIX2)
+    return x ^ _lsr(x, 31)
+
+
+def _gaussian_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Box-Muller of one 64-bit word per pair, operation for operation as ``counter.c``."""
+    f32 = torch.float32
+    n = (_lsr(x, 40) + 1).to(f32)  # u = n 2^-24 in (0, 1]
+    bits = n.view(torch.int32)
+    e = (bits >> 23) - 127
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(f32)  # n = m 2^e, m in [1, 2)
+    big = m > math.sqrt(2.0)
+    m = torch.where(big, m * 0.5, m)
+    e = e + big.to(e.dtype)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    t = s2 * (1.0 / 9.0) + (1.0 / 7.0)
+    for c in (1.0 / 5.0, 1.0 / 3.0, 1.0):
+        t = t * s2 + c
+    lnm = (s * t) * 2.0  # ln m = 2 atanh(s)
+    lnu = (e - 24).to(f32) * math.log(2.0) + lnm
+    # torch's vectorised float32 sqrt is not correctly rounded (Sleef, 0.5001 ulp); the float64 sqrt rounded to
+    # float32 is (53 >= 2 * 24 + 2 bits), as the kernel's sqrtf
+    r = torch.sqrt((lnu * -2.0).double()).to(f32)
+    lo = x & 0xFFFFFF
+    o = lo >> 21  # octant of theta
+    odd = (o & 1) == 1
+    f = lo & 0x1FFFFF
+    f = torch.where(odd, 0x1FFFFF - f, f)  # odd octants: the angle from the octant's end (exact)
+    a = ((f.to(f32) + 0.5) * (1.0 / 2097152.0)) * (math.pi / 4)  # in (0, pi/4)
+    a2 = a * a
+    sn = a2 * (1.0 / 362880.0) + (-1.0 / 5040.0)
+    for c in (1.0 / 120.0, -1.0 / 6.0, 1.0):
+        sn = sn * a2 + c
+    sn = sn * a
+    cs = a2 * (-1.0 / 3628800.0) + (1.0 / 40320.0)
+    for c in (-1.0 / 720.0, 1.0 / 24.0, -1.0 / 2.0, 1.0):
+        cs = cs * a2 + c
+    c0, s0 = torch.where(odd, sn, cs), torch.where(odd, cs, sn)  # cos, sin of theta - q pi / 2
+    q = o >> 1
+    cos = torch.where(q == 0, c0, torch.where(q == 1, -s0, torch.where(q == 2, -c0, s0)))
+    sin = torch.where(q == 0, s0, torch.where(q == 1, c0, torch.where(q == 2, -s0, -c0)))
+    return r * cos, r * sin
+
+
+def _rademacher_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    return torch.where(x < 0, -one, one), torch.where(_lsr(x, 31) & 1 == 1, -one, one)
+
+
+def counter_stream(key: int, numel: int, distribution: str, device="cpu") -> torch.Tensor:
+    """Elements ``0 .. numel-1`` of the counter stream of ``key`` (float32), in plain torch on any device."""
+    x = mix(key, torch.arange((numel + 1) // 2, dtype=torch.int64, device=device))
+    za, zb = (_gaussian_pair if distribution == "gaussian" else _rademacher_pair)(x)
+    return torch.stack([za, zb], dim=1).reshape(-1)[:numel]
+
+
+class Directions:
+    """A direction generator. ``name``/``version``/``distribution`` identify its stream (``describe()``)."""
+
+    name: str
+    version: int
+    distribution: str = "gaussian"
+    threads_per_tensor = False  # True: calls use several threads themselves (do not map tensors over a pool)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version, "distribution": self.distribution}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()})"
+
+    def kept_bytes(self, params) -> int:
+        """Bytes one whole direction takes when kept (the ``cached`` schedule)."""
+        return sum(p.numel() * self.value_size(p) for p in params)
+
+    def value_size(self, param: torch.Tensor) -> int:
+        return param.element_size()
+
+    def fused(self, param: torch.Tensor) -> bool:
+        """Whether sums over ``param`` are drawn and added in one pass (then regenerating a direction costs less
+        than reading a kept one, and ``zo_schedule="auto"`` does not keep them)."""
+        return False
+
+    def draw(self, like: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+        """``z_index`` of direction ``seed``, shaped like ``like``, on its device."""
+        raise NotImplementedError
+
+    def total(self, like: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
+        """``sum_k c_k z_k[index]`` in ``like``'s dtype. ``cache`` (a dict): each ``z`` drawn once, kept there."""
+        raise NotImplementedError
+
+    def perturb(self, param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
+        """``param + sum_k c_k z_k[index]`` as a new tensor (gradients flow to ``param``)."""
+        raise NotImplementedError
+
+    def step_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, cache: dict | None = None) -> None:
+        """In place: ``param <- param - lr sum_k c_k z_k[index]``; the only write to the weights."""
+        raise NotImplementedError
+
+    def _cached(self, like, seed, index, cache):
+        if cache is None:
+            return self.draw(like, seed, index)
+        if (seed, index) not in cache:
+            cache[(seed, index)] = self.draw(like, seed, index)
+        return cache[(seed, index)]
+
+
+class TorchDirections(Directions):
+    """``z_j = torch.randn`` from ``torch.Generator(seed=tensor_seed(s, j))`` on the parameter's device."""
+
+    name, version = "torch", 1
+
+    def draw(self, like, seed, index):
+        generator = torch.Generator(device=like.device)
+        generator.manual_seed(tensor_seed(seed, index))
+        COUNTER.add(like.numel())
+        return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=like.device)
+
+    def total(self, like, index, terms, cache=None):
+        result = None
+        for seed, coeff in terms:
+            z = self._cached(like, seed, index, cache)
+            z = z if cache is None else z.clone()
+            if result is None:
+                result = z.mul_(coeff)
+            else:
+                result.add_(z, alpha=coeff)
+        return result
+
+    def perturb(self, param, index, terms, cache=None):
+        return param + self.total(param.detach(), index, terms, cache)
+
+    def step_(self, param, index, terms, lr, cache=None):
+        param.add_(self.total(param, index, terms, cache), alpha=-lr)
+
+
+class CounterDirections(Directions):
+    """The counter-based stream (module docstring); sums fused in one pass by the compiled CPU kernel.
+
+    Arithmetic of every sum, in the compute type ``T`` (float64 for float64 parameters, else float32):
+    ``acc = T(z_0) c_0``, ``acc = acc + T(z_k) c_k`` in the order of the terms, ``out = dtype(T(p) + acc)``.
+    The kernel and the plain-torch path (other devices, cached directions, gradients) follow it exactly.
+    """
+
+    name, version = "counter", 1
+    threads_per_tensor = True
+
+    def __init__(self, distribution: str = "gaussian"):
+        check_choice("zo_distribution", distribution, DISTRIBUTIONS)
+        self.distribution = distribution
+
+    def value_size(self, param):
+        return 4  # draws are float32
+
+    @staticmethod
+    def _compute_type(param: torch.Tensor) -> torch.dtype:
+        return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+    @staticmethod
+    def _native(param: torch.Tensor) -> bool:
+        return (param.device.type == "cpu" and param.is_contiguous() and param.is_floating_point()
+                and native.library() is not None)
+
+    def fused(self, param):
+        return self._native(param)
+
+    def draw(self, like, seed, index):
+        key = tensor_seed(seed, index)
+        COUNTER.add(like.numel())
+        if self._native(like):
+            out = torch.empty(like.shape, dtype=torch.float32)
+            native.generate(out, key, self.distribution == "gaussian")
+            return out
+        return counter_stream(key, like.numel(), self.distribution, like.device).view(like.shape)
+
+    def _accumulate(self, like, index, terms, cache):
+        ct, acc = self._compute_type(like), None
+        for seed, coeff in terms:
+            term = self._cached(like, seed, index, cache).to(ct) * coeff
+            acc = term if acc is None else acc + term
+        return acc
+
+    def _fused(self, base: torch.Tensor, out: torch.Tensor, index: int, terms: Terms) -> None:
+        COUNTER.add(base.numel() * len(terms))
+        native.combine(base, out, [tensor_seed(s, index) for s, _ in terms], [float(c) for _, c in terms],
+                       self.distribution == "gaussian")
+
+    def total(self, like, index, terms, cache=None):
+        return self._accumulate(like, index, terms, cache).to(like.dtype)
+
+    def perturb(self, param, index, terms, cache=None):
+        ct = self._compute_type(param)
+        if cache is None and self._native(param) and not (torch.is_grad_enabled() and param.requires_grad):
+            base = param.detach()
+            if base.dtype == ct:
+                out = torch.empty_like(base)
+                self._fused(base, out, index, terms)
+                return out
+            work = base.to(ct)
+            self._fused(work, work, index, terms)
+            return work.to(param.dtype)
+        return (param.to(ct) + self._accumulate(param.detach(), index, terms, cache)).to(param.dtype)
+
+    def step_(self, param, index, terms, lr, cache=None):
+        scaled = [(s, -lr * c) for s, c in terms]
+        ct = self._compute_type(param)
+        if cache is None and self._native(param):
+            if param.dtype == ct:
+                self._fused(param.detach(), param.detach(), index, scaled)
+            else:
+                work = param.detach().to(ct)
+                self._fused(work, work, index, scaled)
+                param.copy_(work)
+            return
+        param.copy_(self.perturb(param.detach(), index, scaled, cache))
+
+
+GENERATORS = ("counter", "torch")
+
+
+def build_directions(name: str = "counter", distribution: str = "gaussian") -> Directions:
+    """The generator ``name`` (``zo_generator``) with ``distribution`` (``zo_distribution``)."""
+    check_choice("zo_generator", name, GENERATORS)
+    if name == "torch":
+        check_choice("zo_distribution (zo_generator='torch' draws Gaussian directions only)", distribution,
+                     ("gaussian",))
+        return TorchDirections()
+    return CounterDirections(distribution)
+
+
+def from_description(description: dict | None) -> Directions:
+    """The generator a ledger names (``None``: a ledger made before generators were recorded -> ``torch`` v1)."""
+    if description is None:
+        return TorchDirections()
+    generator = build_directions(description.get("name"), description.get("distribution", "gaussian"))
+    if description.get("version") != generator.version:
+        raise ValueError(f"The ledger's direction generator {description} has version {description.get('version')!r}; "
+                         f"this zo_byzantine has {generator.describe()}: it cannot reproduce those directions.")
+    return generator
