@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 
@@ -40,17 +42,25 @@ def best_time(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def interleaved(rows: dict, repeats: int = 3) -> dict:
-    """Each row's minimum wall-clock seconds over ``repeats`` rounds that run every row once, in turn (after a
-    warm-up round): a slow moment of the machine hits all rows alike, so their ratios hold within one run."""
+def interleaved(rows: dict, repeats: int = 3, reference: str | None = None) -> dict:
+    """Each row's minimum wall-clock seconds over ``repeats`` rounds that run every row once, in a shuffled order
+    (after a warm-up round): a slow moment of the machine hits all rows alike. With ``reference`` (a row's name), also
+    each row's median over the rounds of its time divided by the reference's time in the same round, the
+    ratio that holds best on a machine whose speed drifts: ``{name: (min seconds, median ratio)}``."""
     times = {name: [] for name in rows}
+    order = list(rows)
     for round_ in range(repeats + 1):
-        for name, fn in rows.items():
+        random.Random(round_).shuffle(order)  # no row always follows the same one (allocator and cache state)
+        for name in order:
             start = time.perf_counter()
-            fn()
+            rows[name]()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    return {name: min(values) for name, values in times.items()}
+    if reference is None:
+        return {name: min(values) for name, values in times.items()}
+    base = times[reference]
+    return {name: (min(values), statistics.median(v / b for v, b in zip(values, base, strict=True)))
+            for name, values in times.items()}
 
 
 class RandomTokens(torch.utils.data.Dataset):

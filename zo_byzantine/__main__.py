@@ -49,7 +49,8 @@ FILE is a .safetensors file or a torch.save'd state dict (read with weights_only
 by torch.save(model.state_dict(), "start.pt") before training; it must hold every trainable parameter
 the ledger names (other entries of the model may be left out: they keep the built model's values).
 The parameters the ledger names are made trainable and all others frozen, as in the run. Replay on
-the device type the run trained on (--device): CPU and CUDA draw different directions."""
+any device for runs of the counter generator (the default); the device type the run trained on (--device) for
+runs of the torch generator, whose CPU and CUDA streams differ."""
 
 
 def _key(args) -> bytes | None:
@@ -100,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainable weights")
     replay.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="the model's dtype (default auto: "
                         "the saved one for --model, the factory's for --model-factory)")
-    replay.add_argument("--device", default="cpu", help="where to replay (default cpu): the run's device type")
+    replay.add_argument("--device", default="cpu", help="where to replay (default cpu); the run's device type "
+                        "for torch-generator runs")
 
     plot = commands.add_parser(
         "plot", help="draw the run's curves to a PNG",

@@ -47,8 +47,7 @@ static inline void gaussian_pair(uint64_t x, float *za, float *zb) {
     e = e + big; /* m in [sqrt(1/2), sqrt(2)] */
     float s = (m - 1.0f) / (m + 1.0f);
     float s2 = s * s;
-    float t = s2 * (float)(1.0 / 9.0) + (float)(1.0 / 7.0);
-    t = t * s2 + (float)(1.0 / 5.0);
+    float t = s2 * (float)(1.0 / 7.0) + (float)(1.0 / 5.0);
     t = t * s2 + (float)(1.0 / 3.0);
     t = t * s2 + 1.0f;
     float lnm = (s * t) * 2.0f; /* ln m = 2 atanh(s) */
@@ -60,13 +59,11 @@ static inline void gaussian_pair(uint64_t x, float *za, float *zb) {
     f = (o & 1u) ? 0x1FFFFFu - f : f; /* odd octants: the angle from the octant's end (exact) */
     float a = (((float)f + 0.5f) * (float)(1.0 / 2097152.0)) * QUARTER_PIF; /* in (0, pi/4) */
     float a2 = a * a;
-    float sn = a2 * (float)(1.0 / 362880.0) + (float)(-1.0 / 5040.0);
-    sn = sn * a2 + (float)(1.0 / 120.0);
+    float sn = a2 * (float)(-1.0 / 5040.0) + (float)(1.0 / 120.0);
     sn = sn * a2 + (float)(-1.0 / 6.0);
     sn = sn * a2 + 1.0f;
     sn = sn * a;
-    float cs = a2 * (float)(-1.0 / 3628800.0) + (float)(1.0 / 40320.0);
-    cs = cs * a2 + (float)(-1.0 / 720.0);
+    float cs = a2 * (float)(1.0 / 40320.0) + (float)(-1.0 / 720.0);
     cs = cs * a2 + (float)(1.0 / 24.0);
     cs = cs * a2 + (float)(-1.0 / 2.0);
     cs = cs * a2 + 1.0f;

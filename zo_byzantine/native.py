@@ -30,7 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("counter.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11",
+         "-shared", "-fPIC"]
 MIN_PARALLEL = 1 << 18  # elements: below, one call on the calling thread
 
 

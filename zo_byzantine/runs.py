@@ -521,8 +521,9 @@ def replay_run(path, out: str, model: str | None = None, start: str | None = Non
                key: bytes | None = None, dtype: str = "auto", device: str = "cpu",
                max_bytes: int = MAX_BYTES) -> dict:
     """Rebuild the trained weights of the run in ``path`` from its starting model (see :func:`build_start_model`)
-    by :func:`~zo_byzantine.ledger.replay`, on ``device`` (the run's device type: directions drawn on CPU and
-    CUDA differ), and write the trainable ones to ``out`` (safetensors). Returns what was done."""
+    by :func:`~zo_byzantine.ledger.replay`, on ``device`` (any device for the ``counter`` generator; for a run
+    made with the ``torch`` generator, the run's device type: its CPU and CUDA streams differ), and write the
+    trainable ones to ``out`` (safetensors). Returns what was done."""
     run = load_run(path, key=key, max_bytes=max_bytes)
     built = build_start_model(run.ledger, model=model, start=start, factory=factory, dtype=dtype).to(device)
     replay(built, run.ledger, key=key)
