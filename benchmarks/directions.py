@@ -35,8 +35,9 @@ def main():
         "counter, compiled kernel": lambda: native.generate(buffer, key, True),
         "counter, rademacher, compiled kernel": lambda: native.generate(buffer, key, False),
         "counter, plain torch (fallback)": lambda: counter_stream(key, n, "gaussian"),
-        "p + c z, counter fused (one pass, into a scratch buffer as in a forward)":
-            lambda: counter.perturb(param, 0, [(12345, 1e-3)], out=buffer),
+        "p + c z, counter fused into a new tensor (one pass; as in a forward)":
+            lambda: counter.perturb(param, 0, [(12345, 1e-3)]),
+        "p + c z, counter fused in place (the update's pass)": lambda: counter.step_(buffer, 0, [(12345, 1e-3)], 1.0),
         "p + c z, torch generator (randn, scale, add)": lambda: legacy.perturb(param, 0, [(12345, 1e-3)]),
     }
     times = interleaved(rows, args.repeats)

@@ -54,7 +54,7 @@ def test_integer_stream_is_exact_64_bit_arithmetic():
 
 @needs_kernel
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
-@pytest.mark.parametrize("numel", [1, 2, 3, 1001, native.MIN_PARALLEL + 3])  # odd sizes, several threads
+@pytest.mark.parametrize("numel", [1, 2, 3, 1001, native.MIN_PARALLEL + 3, 9 * native.MIN_PARALLEL + 1])  # threads
 def test_compiled_kernel_equals_plain_torch_bitwise(distribution, numel):
     assert native.library() is not None
     gaussian = distribution == "gaussian"
@@ -214,3 +214,84 @@ def test_a_client_refuses_a_plan_from_another_generator():
 def test_bad_generator_settings_are_named(name, distribution, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         build_directions(name, distribution)
+
+
+def test_a_module_returning_a_view_of_its_weight_keeps_its_values():
+    """Perturbed weights are fresh tensors: a module whose output views its weight (e.g. latents.expand) is not
+    overwritten by the next module of the same shape (a reused buffer would be)."""
+    from zo_byzantine.perturbation import perturbed
+
+    class Latents(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.latents = torch.nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return self.latents.expand(x.shape[0], 4, 3)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Latents(), Latents()
+
+        def forward(self, x):
+            first = self.a(x)
+            second = self.b(x)
+            return (first * 2 - second).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.zeros(2)
+    table = ParameterTable(model)
+    terms = [(direction_seed(0, 0, 1, 0), 0.5)]
+    with torch.no_grad(), perturbed(table, terms):
+        plain = model(x)
+    with torch.enable_grad(), perturbed(table, terms):  # the gradient-carrying path: always fresh tensors
+        tracked = model(x)
+    assert torch.equal(plain, tracked.detach())
+
+
+def test_plain_path_chunks_give_the_same_stream(monkeypatch):
+    import zo_byzantine.directions as directions
+
+    whole = counter_stream(7, 1001, "gaussian")
+    monkeypatch.setattr(directions, "CHUNK_PAIRS", 7)
+    assert torch.equal(_bits(counter_stream(7, 1001, "gaussian")), _bits(whole))
+
+
+@needs_kernel
+def test_empty_terms_and_bad_buffers():
+    gen, param = CounterDirections(), torch.randn(5, 7)
+    assert torch.equal(gen.perturb(param, 0, []), param)
+    stepped = param.clone()
+    gen.step_(stepped, 0, [], lr=1.0)
+    assert torch.equal(stepped, param)
+    out = torch.empty_like(param)
+    native.combine(param, out, [], [], True)
+    assert torch.equal(out, param)
+    with pytest.raises(ValueError, match="one size"):
+        native.combine(param, torch.empty(3), [1], [1.0], True)
+
+
+def test_complex_parameters_are_refused_by_the_counter_generator():
+    with pytest.raises(ValueError, match="complex64"):
+        CounterDirections().perturb(torch.zeros(3, dtype=torch.complex64), 0, [(1, 1.0)])
+
+
+@needs_kernel
+def test_in_place_kernel_updates_bump_autograd_versions():
+    w = torch.nn.Parameter(torch.randn(1000))
+    before = w._version
+    with torch.no_grad():
+        CounterDirections().step_(w, 0, [(1, 1.0)], lr=0.1)
+    assert w._version > before
+
+
+def test_no_home_directory_falls_back_to_plain_torch(monkeypatch):
+    monkeypatch.delenv("ZO_BYZANTINE_CACHE", raising=False)
+    monkeypatch.setenv("ZO_BYZANTINE_NATIVE", "1")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
+    assert native.library.__wrapped__() is None

@@ -79,9 +79,9 @@ def client_reports(
 ) -> list[Report]:
     """The reports of clients ``ids`` (data sizes ``sizes``) for ``plan``, evaluated by ``clients``."""
     ids = [int(c) for c in ids]
-    if plan.generator != table.directions.describe():
+    if tuple(plan.generator) != table.directions.identity():
         raise ValueError(f"The plan's directions come from generator {plan.generator}; this client draws "
-                         f"{table.directions.describe()} and cannot reproduce them.")
+                         f"{table.directions.identity()} and cannot reproduce them.")
     if plan.first_order:  # FedAvg baseline: each client's backprop gradient in R^d
         grads, losses = clients.gradients([[] for _ in ids])
         vectors = torch.stack([torch.cat([g.flatten().double() for g in gs]) for gs in grads])[:, None, :]

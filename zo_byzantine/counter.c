@@ -116,6 +116,11 @@ ACCUMULATE(accumulate_f64, double)
     void NAME(const T *base, T *out, int64_t n, const uint64_t *keys, const double *coeffs, int64_t K,      \
               int gaussian, int64_t pair_begin, int64_t pair_end) {                                           \
         T acc[2 * TILE];                                                                                      \
+        if (K <= 0) { /* no terms: out = base */                                                              \
+            for (int64_t i = 2 * pair_begin; i < 2 * pair_end && i < n; i++)                                  \
+                out[i] = base[i];                                                                             \
+            return;                                                                                           \
+        }                                                                                                     \
         for (int64_t p0 = pair_begin; p0 < pair_end; p0 += TILE) {                                            \
             int64_t np = pair_end - p0 < TILE ? pair_end - p0 : TILE;                                         \
             for (int64_t k = 0; k < K; k++)                                                                   \

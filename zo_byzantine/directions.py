@@ -124,11 +124,20 @@ def _rademacher_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(x < 0, -one, one), torch.where(_lsr(x, 31) & 1 == 1, -one, one)
 
 
+CHUNK_PAIRS = 1 << 19  # the plain path works in chunks: its ~40 temporaries stay ~100 MB, whatever the tensor
+
+
 def counter_stream(key: int, numel: int, distribution: str, device="cpu") -> torch.Tensor:
-    """Elements ``0 .. numel-1`` of the counter stream of ``key`` (float32), in plain torch on any device."""
-    x = mix(key, torch.arange((numel + 1) // 2, dtype=torch.int64, device=device))
-    za, zb = (_gaussian_pair if distribution == "gaussian" else _rademacher_pair)(x)
-    return torch.stack([za, zb], dim=1).reshape(-1)[:numel]
+    """Elements ``0 .. numel-1`` of the counter stream of ``key`` (float32), in plain torch on any device with
+    float64 ``sqrt`` (not MPS)."""
+    pairs = (numel + 1) // 2
+    out = torch.empty(2 * pairs, dtype=torch.float32, device=device)
+    transform = _gaussian_pair if distribution == "gaussian" else _rademacher_pair
+    for start in range(0, pairs, CHUNK_PAIRS):
+        stop = min(pairs, start + CHUNK_PAIRS)
+        za, zb = transform(mix(key, torch.arange(start, stop, dtype=torch.int64, device=device)))
+        out[2 * start : 2 * stop] = torch.stack([za, zb], dim=1).reshape(-1)
+    return out[:numel]
 
 
 class Directions:
@@ -141,6 +150,10 @@ class Directions:
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "distribution": self.distribution}
+
+    def identity(self) -> tuple[str, int, str]:
+        """``(name, version, distribution)``: what a plan names and a client must reproduce."""
+        return self.name, self.version, self.distribution
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
@@ -165,10 +178,8 @@ class Directions:
         """``sum_k c_k z_k[index]`` in ``like``'s dtype. ``cache`` (a dict): each ``z`` drawn once, kept there."""
         raise NotImplementedError
 
-    def perturb(self, param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """``param + sum_k c_k z_k[index]`` as a new tensor (gradients flow to ``param``); ``out``: a buffer shaped
-        like ``param`` it may be written into (without gradients)."""
+    def perturb(self, param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
+        """``param + sum_k c_k z_k[index]`` as a new tensor (gradients flow to ``param``)."""
         raise NotImplementedError
 
     def step_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, cache: dict | None = None) -> None:
@@ -205,7 +216,7 @@ class TorchDirections(Directions):
                 result.add_(z, alpha=coeff)
         return result
 
-    def perturb(self, param, index, terms, cache=None, out=None):
+    def perturb(self, param, index, terms, cache=None):
         return param + self.total(param.detach(), index, terms, cache)
 
     def step_(self, param, index, terms, lr, cache=None):
@@ -243,6 +254,7 @@ class CounterDirections(Directions):
         return self._native(param)
 
     def draw(self, like, seed, index):
+        self._real(like)
         key = tensor_seed(seed, index)
         COUNTER.add(like.numel())
         if self._native(like):
@@ -251,8 +263,17 @@ class CounterDirections(Directions):
             return out
         return counter_stream(key, like.numel(), self.distribution, like.device).view(like.shape)
 
+    @staticmethod
+    def _real(param: torch.Tensor) -> torch.Tensor:
+        if not param.is_floating_point():
+            raise ValueError(f"zo_generator='counter' draws real directions; a trainable tensor of dtype {param.dtype} "
+                             "cannot be perturbed by it (train real parameters, e.g. through view_as_real).")
+        return param
+
     def _accumulate(self, like, index, terms, cache):
-        ct, acc = self._compute_type(like), None
+        if not terms:
+            return torch.zeros_like(like)
+        ct, acc = self._compute_type(self._real(like)), None
         for seed, coeff in terms:
             term = self._cached(like, seed, index, cache).to(ct) * coeff
             acc = term if acc is None else acc + term
@@ -266,12 +287,14 @@ class CounterDirections(Directions):
     def total(self, like, index, terms, cache=None):
         return self._accumulate(like, index, terms, cache).to(like.dtype)
 
-    def perturb(self, param, index, terms, cache=None, out=None):
-        ct = self._compute_type(param)
+    def perturb(self, param, index, terms, cache=None):
+        ct = self._compute_type(self._real(param))
+        if not terms:
+            return param.clone()
         if cache is None and self._native(param) and not (torch.is_grad_enabled() and param.requires_grad):
             base = param.detach()
             if base.dtype == ct:
-                out = torch.empty_like(base) if out is None else out
+                out = torch.empty_like(base)
                 self._fused(base, out, index, terms)
                 return out
             work = base.to(ct)
@@ -281,10 +304,13 @@ class CounterDirections(Directions):
 
     def step_(self, param, index, terms, lr, cache=None):
         scaled = [(s, -lr * c) for s, c in terms]
-        ct = self._compute_type(param)
+        ct = self._compute_type(self._real(param))
+        if not terms:
+            return
         if cache is None and self._native(param):
             if param.dtype == ct:
                 self._fused(param.detach(), param.detach(), index, scaled)
+                torch.autograd.graph.increment_version(param)  # written through a pointer: tell autograd
             else:
                 work = param.detach().to(ct)
                 self._fused(work, work, index, scaled)

@@ -38,7 +38,7 @@ class Plan:
     local_steps: int
     local_lr: float
     local_update: str
-    generator: dict  # the direction generator's name, version and distribution (``Directions.describe()``)
+    generator: tuple[str, int, str]  # the direction generator's (name, version, distribution)
 
     def keys(self, step: int, client: int) -> list[tuple[int, ...]]:
         """Seed tuples of ``client``'s directions at local step ``step``."""

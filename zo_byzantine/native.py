@@ -7,8 +7,11 @@ that pulls an unpinned torch) or a JIT build of minutes; ``torch.compile`` canno
 hash without overflow checks and recompiles per shape. ``-march=native`` gives the machine's vector width;
 ``-ffp-contract=off`` keeps every operation rounded once, so the bits do not depend on it.
 
-No compiler, a failed build or ``ZO_BYZANTINE_NATIVE=0``: ``library()`` returns ``None`` (with one warning)
-and ``directions.py`` uses its plain-torch path, which gives the same numbers.
+No compiler, a failed build, a library that does not reproduce the plain-torch path bitwise on a test stream
+(checked at load: a compiler whose default float model is not IEEE), or ``ZO_BYZANTINE_NATIVE=0``:
+``library()`` returns ``None`` (with one warning) and ``directions.py`` uses its plain-torch path, which gives
+the same numbers. The kernel runs in a thread pool whose threads keep the default floating-point mode:
+flushing denormals to zero in the caller (``torch.set_flush_denormal(True)``) is not applied to it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from pathlib import Path
 
@@ -43,19 +47,25 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+def _cache_folder() -> Path:
+    if os.environ.get("ZO_BYZANTINE_CACHE"):
+        return Path(os.environ["ZO_BYZANTINE_CACHE"])
+    return Path.home() / ".cache" / "zo_byzantine"  # RuntimeError without a home: no kernel
+
+
+def _build(compiler: list[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(), _cpu_signature()]).encode()
     ).hexdigest()[:16]
-    folder = Path(os.environ.get("ZO_BYZANTINE_CACHE", Path.home() / ".cache" / "zo_byzantine"))
+    folder = _cache_folder()
     target = folder / f"counter-{digest}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: safe for parallel builds
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+        subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
                        timeout=300)
         os.replace(built, target)
     return target
@@ -66,16 +76,22 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or ``None`` when it cannot be built here (the plain-torch path is used)."""
     if os.environ.get("ZO_BYZANTINE_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     try:
-        if compiler is None:
+        if not compiler[0]:
             raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as err:
+        lib = _declare(ctypes.CDLL(str(_build(compiler))))
+        _self_check(lib)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", b"") or b""
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
         logger.warning("The compiled direction kernel is unavailable (%s %s); using the plain-torch path, which "
-                       "gives the same numbers more slowly.", err, detail.decode(errors="replace")[-500:])
+                       "gives the same numbers more slowly.", err, detail[-500:])
         return None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, u64p, f64p, vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double), \
         ctypes.c_void_p
     for name in ("zo_combine_f32", "zo_combine_f64"):
@@ -84,6 +100,25 @@ def library() -> ctypes.CDLL | None:
     lib.zo_generate.argtypes = [vp, i64, ctypes.c_uint64, ctypes.c_int, i64, i64]
     lib.zo_generate.restype = None
     return lib
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """The loaded kernel must give the plain-torch path's bits (ValueError otherwise)."""
+    from .directions import counter_stream  # the reference; imports this module
+
+    n, keys, coeffs = 10_001, [0x0123456789ABCDEF, 42], [1e-3, -2.5]
+    for gaussian, name in ((True, "gaussian"), (False, "rademacher")):
+        z = torch.empty(n)
+        lib.zo_generate(z.data_ptr(), n, keys[0], int(gaussian), 0, (n + 1) // 2)
+        base = torch.linspace(-1, 1, n)
+        out = torch.empty(n)
+        lib.zo_combine_f32(base.data_ptr(), out.data_ptr(), n, (ctypes.c_uint64 * 2)(*keys),
+                           (ctypes.c_double * 2)(*coeffs), 2, int(gaussian), 0, (n + 1) // 2)
+        expected = base + (counter_stream(keys[0], n, name) * coeffs[0] + counter_stream(keys[1], n, name) * coeffs[1])
+        if not (torch.equal(z.view(torch.int32), counter_stream(keys[0], n, name).view(torch.int32))
+                and torch.equal(out.view(torch.int32), expected.view(torch.int32))):
+            raise ValueError("the compiled kernel does not reproduce the plain-torch stream bitwise (a compiler "
+                             "whose float model is not IEEE?)")
 
 
 def _new_pool() -> None:
@@ -97,9 +132,11 @@ if hasattr(os, "register_at_fork"):  # a forked child (DataLoader worker, multip
 
 
 def _ranges(numel: int) -> list[tuple[int, int]]:
-    """Pair ranges of a tensor of ``numel`` elements, one per thread (torch's thread count)."""
+    """Pair ranges of a tensor of ``numel`` elements for torch's thread count of pool threads."""
     pairs = (numel + 1) // 2
-    parts = 1 if numel < MIN_PARALLEL else max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+    threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+    # a few ranges per thread, taken in turn by the pool: a core slowed by another process does not hold all back
+    parts = 1 if numel < MIN_PARALLEL or threads == 1 else min(4 * threads, max(threads, numel // MIN_PARALLEL))
     bounds = [pairs * i // parts for i in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
@@ -108,13 +145,26 @@ def _run(call, numel: int) -> None:
     ranges = _ranges(numel)
     if len(ranges) == 1:
         call(*ranges[0])
-    else:
-        list(_POOL.map(lambda r: call(*r), ranges))
+        return
+    futures = [_POOL.submit(call, *r) for r in ranges]
+    try:
+        for future in futures:
+            future.result()
+    finally:  # an interrupt must not return while threads still write the caller's tensors
+        wait(futures)
 
 
 def combine(base: torch.Tensor, out: torch.Tensor, keys: list[int], coeffs: list[float], gaussian: bool) -> None:
     """``out = base + sum_k coeffs[k] z(keys[k])`` on contiguous CPU float32/float64 tensors (``out`` may be
     ``base``)."""
+    if base.numel() != out.numel() or base.dtype != out.dtype or base.dtype not in (torch.float32, torch.float64) \
+            or not (base.is_contiguous() and out.is_contiguous()) or base.device.type != "cpu" \
+            or out.device.type != "cpu" or len(keys) != len(coeffs):
+        raise ValueError("native.combine: base and out must be contiguous CPU float32/float64 tensors of one size "
+                         "and dtype, with one coefficient per key.")
+    if not keys:
+        out.copy_(base)
+        return
     lib = library()
     fn = lib.zo_combine_f64 if base.dtype == torch.float64 else lib.zo_combine_f32
     k = len(keys)
@@ -126,5 +176,7 @@ def combine(base: torch.Tensor, out: torch.Tensor, keys: list[int], coeffs: list
 
 def generate(out: torch.Tensor, key: int, gaussian: bool) -> None:
     """``out = z(key)`` on a contiguous CPU float32 tensor."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("native.generate: out must be a contiguous CPU float32 tensor.")
     lib, n, dst = library(), out.numel(), out.data_ptr()
     _run(lambda a, b: lib.zo_generate(dst, n, key, int(gaussian), a, b), n)

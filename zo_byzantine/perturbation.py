@@ -33,24 +33,6 @@ __all__ = ["COUNTER", "ParameterTable", "Terms", "antithetic", "apply_update", "
            "tensor_seed"]
 
 
-class Scratch:
-    """Buffers for perturbed weights, by shape, dtype and device, lent to one module call at a time and kept for
-    the next module of that shape (the layers of a transformer): a forward allocates each shape once. Buffers
-    over ``max_bytes`` are not kept (a kept embedding-sized buffer would raise the forward's peak memory)."""
-
-    def __init__(self, max_bytes: int = 4 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        kept = self.free.get((like.shape, like.dtype, like.device))
-        return kept.pop() if kept else torch.empty(like.shape, dtype=like.dtype, device=like.device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        if buffer.numel() * buffer.element_size() <= self.max_bytes:
-            self.free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
-
-
 class ParameterTable:
     """The trainable parameters of a model in a fixed order, with their owning modules.
 
@@ -81,7 +63,6 @@ class ParameterTable:
         seen = [index for _, owned in self.owners for _, index in owned]
         self.tied = {index for index in seen if seen.count(index) > 1}  # drawn once per forward, then reused
         self.reached: set[int] = set()  # parameters a perturbed forward has swapped (see ``unreached``)
-        self.scratch = Scratch()
 
     def unreached(self) -> list[str]:
         """Trainable parameters no perturbed forward has reached: their owning module never ran (unused, or
@@ -107,37 +88,35 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
     Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
     while it runs. With no terms, the block is a plain forward. ``cache``: directions kept by seed
     (``Directions.total``); a tied parameter is perturbed once per forward and shared by its owners.
-    Without gradients, the perturbed tensors are written into the table's scratch buffers, which are
-    reused by the next module and the next forward (a module must not keep its weights after its call).
     """
     if not terms:
         yield
         return
     handles = []
-    saved: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = {}
+    saved: dict[int, list[list[tuple[str, torch.Tensor]]]] = {}  # per module, a stack: calls may nest
     tied: dict[int, torch.Tensor] = {}
-    scratch = table.scratch if not torch.is_grad_enabled() else None
 
     def swap_in(module, _args):
-        originals = []
+        originals: list[tuple[str, torch.Tensor]] = []
+        saved.setdefault(id(module), []).append(originals)  # before any swap: a failure restores what was done
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             table.reached.add(index)
-            shifted, lent = tied.get(index), None
+            shifted = tied.get(index)
             if shifted is None:
-                lent = scratch.take(param) if scratch is not None and index not in table.tied else None
-                shifted = table.directions.perturb(param, index, terms, cache, out=lent)  # grads flow to param
+                shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
                 if index in table.tied:
                     tied[index] = shifted
-            originals.append((name, param, lent))
+            originals.append((name, param))
             module._parameters[name] = shifted
-        saved[id(module)] = originals
+
+    def restore(module):
+        stack = saved.get(id(module))
+        for name, param in stack.pop() if stack else ():
+            module._parameters[name] = param
 
     def swap_out(module, _args, _output):
-        for name, param, lent in saved.pop(id(module), ()):
-            module._parameters[name] = param
-            if lent is not None:
-                scratch.give(lent)
+        restore(module)
 
     owned_by = {id(module): owned for module, owned in table.owners}
     try:
@@ -149,8 +128,8 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
         for handle in handles:
             handle.remove()
         for module, _ in table.owners:  # a forward that raised inside a module
-            for name, param, _ in saved.pop(id(module), ()):
-                module._parameters[name] = param
+            while saved.get(id(module)):
+                restore(module)
 
 
 def _new_pool() -> None:

@@ -116,7 +116,7 @@ class Server:
             local_steps=s.local_steps,
             local_lr=float(local_lr),
             local_update=s.local_update,
-            generator=self.table.directions.describe(),
+            generator=self.table.directions.identity(),
         )
 
     def width(self) -> int:
