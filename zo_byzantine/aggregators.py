@@ -95,11 +95,15 @@ def _rescaled_mean(rows: torch.Tensor) -> torch.Tensor:
     return (scale * (rows / scale).mean(dim=0)).clamp(-big, big)
 
 
+def _median_many(sets: torch.Tensor) -> torch.Tensor:
+    """:func:`coordinate_median` of each set of ``C x m x d``."""
+    ordered, m = sets.sort(dim=1).values, sets.shape[1]
+    return ordered[:, m // 2] if m % 2 else (ordered[:, m // 2 - 1] + ordered[:, m // 2]) / 2
+
+
 def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
     """Per coordinate, the middle value (mean of the two middle values for even n)."""
-    ordered = vectors.sort(dim=0).values
-    n = len(vectors)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return _median_many(vectors[None])[0]
 
 
 class Rule:
@@ -120,6 +124,11 @@ class Rule:
             raise ValueError(f"{self.name}: got {len(vectors)} vectors, the context says {ctx.num_vectors}.")
         self.check(len(vectors), ctx.num_byzantine)
         return self.aggregate(vectors, ctx)
+
+    def aggregate_many(self, sets: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
+        """The rule's value for each of ``C`` vector sets under one context (``C x m x d -> C x d``): what an
+        attacker's search evaluates. A loop over ``__call__`` here; rules that can, do all sets at once."""
+        return torch.stack([self(vectors, ctx).value for vectors in sets])
 
 
 class PreAggregator:
@@ -144,6 +153,10 @@ class PreAggregator:
         self.check(len(vectors), ctx.num_byzantine)
         return self.transform(vectors, ctx)
 
+    def transform_many(self, sets: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
+        """The step on each of ``C`` vector sets (``C x m x d -> C x m' x d``); a loop unless a step does better."""
+        return torch.stack([self(vectors, ctx) for vectors in sets])
+
 
 @register_aggregator("mean")
 class Mean(Rule):
@@ -158,6 +171,10 @@ class Mean(Rule):
 
     def aggregate(self, vectors, ctx):
         return Aggregation(vectors.mean(dim=0), {})
+
+    def aggregate_many(self, sets, ctx):
+        self.check(sets.shape[1], ctx.num_byzantine)
+        return sets.mean(dim=1)
 
 
 @register_aggregator("cwtm")
@@ -200,6 +217,12 @@ class CWTM(Rule):
             diagnostics["byzantine_values_kept"] = int(kept[mask.to(kept.device)].sum())
         return Aggregation(ordered[k : m - k].mean(dim=0), diagnostics)
 
+    def aggregate_many(self, sets, ctx):
+        m = sets.shape[1]
+        self.check(m, ctx.num_byzantine)
+        k = self.trim(m, ctx.num_byzantine)
+        return sets.sort(dim=1).values[:, k : m - k].mean(dim=1)
+
 
 @register_aggregator("median")
 class Median(Rule):
@@ -222,6 +245,10 @@ class Median(Rule):
 
     def aggregate(self, vectors, ctx):
         return Aggregation(coordinate_median(vectors), {})
+
+    def aggregate_many(self, sets, ctx):
+        self.check(sets.shape[1], ctx.num_byzantine)
+        return _median_many(sets)
 
 
 def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Tensor:
@@ -440,6 +467,26 @@ class NNM(PreAggregator):
                 mixed[i] = _rescaled_mean(vectors[nearest[i]])
         return mixed
 
+    def transform_many(self, sets, ctx):
+        """All sets at once (batched Gram matrices and mixing products); a set with huge or non-finite values
+        takes the one-set path, with its overflow handling."""
+        c, m, _ = sets.shape
+        self.check(m, ctx.num_byzantine)
+        keep = m - ctx.num_byzantine
+        wide = sets.double()
+        gram = wide @ wide.transpose(1, 2)
+        norms = gram.diagonal(dim1=1, dim2=2)
+        safe = (norms <= torch.finfo(torch.float64).max / 4).all(dim=1)
+        dist = (norms[:, :, None] + norms[:, None, :] - 2 * gram).clamp_min_(0)
+        dist.diagonal(dim1=1, dim2=2).fill_(0)
+        nearest = dist.to(sets.dtype).argsort(dim=2, stable=True)[:, :, :keep]
+        weights = torch.zeros(c, m, m, dtype=sets.dtype, device=sets.device).scatter_(2, nearest, 1.0 / keep)
+        mixed = weights @ sets
+        redo = ~safe | ~torch.isfinite(mixed).flatten(1).all(dim=1)
+        for i in redo.nonzero().flatten().tolist():
+            mixed[i] = self(sets[i], ctx)
+        return mixed
+
 
 @register_pre_aggregator("bucketing")
 class Bucketing(PreAggregator):
@@ -524,6 +571,14 @@ class Chain(Rule):
             vectors = step(vectors, ctx)
             ctx = ctx.after_step(len(vectors), step.keeps_rows)
         return self.rule(vectors, ctx)
+
+    def aggregate_many(self, sets, ctx):
+        if sets.shape[1] != ctx.num_vectors:
+            raise ValueError(f"{self.name}: got {sets.shape[1]} vectors, the context says {ctx.num_vectors}.")
+        for step in self.steps:
+            sets = step.transform_many(sets, ctx)
+            ctx = ctx.after_step(sets.shape[1], step.keeps_rows)
+        return self.rule.aggregate_many(sets, ctx)
 
 
 def parse_step(spec: str) -> tuple[str, dict]:
