@@ -37,6 +37,27 @@ def _sizing(name: str, message: str, m: int, f: int) -> SizingError:
     return SizingError(f"{name}: {message} (m={m} vectors, f={f} Byzantine).")
 
 
+HUGE_SQ_NORM = torch.finfo(torch.float64).max / 4  # beyond, the Gram form may give inf - inf
+
+
+def _gram_sq_distances(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(D, norms)`` of float64 vectors ``[..., m, d]``: ``D[i, j] = ||v_i||^2 + ||v_j||^2 - 2 <v_i, v_j>``,
+    clamped at 0 (cancellation), 0 on the diagonal."""
+    gram = wide @ wide.transpose(-1, -2)
+    norms = gram.diagonal(dim1=-2, dim2=-1)
+    dist = (norms[..., :, None] + norms[..., None, :] - 2 * gram).clamp_min_(0)
+    dist.diagonal(dim1=-2, dim2=-1).fill_(0)
+    return dist, norms
+
+
+def _mix_nearest(vectors: torch.Tensor, dist: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NNM's means as one product (``[..., m, d]``): row i of the weights holds 1/keep at the ``keep`` vectors
+    nearest v_i by ``dist``, 0 elsewhere. Returns the mixed vectors and the neighbours' indices."""
+    nearest = dist.argsort(dim=-1, stable=True)[..., :keep]
+    weights = torch.zeros(*dist.shape, dtype=vectors.dtype, device=vectors.device)
+    return weights.scatter_(-1, nearest, 1.0 / keep) @ vectors, nearest
+
+
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
     """``D[i, j] = ||v_i||^2 + ||v_j||^2 - 2 <v_i, v_j>`` from one float64 Gram matrix.
 
@@ -49,10 +70,8 @@ def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
     overflows. Returned in the input's dtype (distances beyond its range become ``inf``: far).
     """
     wide = vectors.double()
-    gram = wide @ wide.T
-    norms = gram.diagonal()
-    dist = norms[:, None] + norms[None, :] - 2 * gram
-    huge = ~(norms <= torch.finfo(torch.float64).max / 4)  # also catches nan norms
+    dist, norms = _gram_sq_distances(wide)
+    huge = ~(norms <= HUGE_SQ_NORM)  # also catches nan norms
     if bool(huge.any()):
         for i in huge.nonzero().flatten().tolist():
             row = (wide - wide[i]).square().sum(dim=1)
@@ -457,10 +476,7 @@ class NNM(PreAggregator):
 
     def transform(self, vectors, ctx):
         keep = len(vectors) - ctx.num_byzantine
-        nearest = _pairwise_sq_distances(vectors).argsort(dim=1, stable=True)[:, :keep]
-        # the means as one product: row i of ``weights`` holds 1/keep at v_i's neighbours, 0 elsewhere
-        weights = torch.zeros(len(vectors), len(vectors), dtype=vectors.dtype, device=vectors.device)
-        mixed = weights.scatter_(1, nearest, 1.0 / keep) @ vectors
+        mixed, nearest = _mix_nearest(vectors, _pairwise_sq_distances(vectors), keep)
         overflowed = ~torch.isfinite(mixed).all(dim=1)  # huge (Byzantine) rows summed past the dtype's range
         if bool(overflowed.any()):
             for i in overflowed.nonzero().flatten().tolist():
@@ -470,18 +486,11 @@ class NNM(PreAggregator):
     def transform_many(self, sets, ctx):
         """All sets at once (batched Gram matrices and mixing products); a set with huge or non-finite values
         takes the one-set path, with its overflow handling."""
-        c, m, _ = sets.shape
+        m = sets.shape[1]
         self.check(m, ctx.num_byzantine)
-        keep = m - ctx.num_byzantine
-        wide = sets.double()
-        gram = wide @ wide.transpose(1, 2)
-        norms = gram.diagonal(dim1=1, dim2=2)
-        safe = (norms <= torch.finfo(torch.float64).max / 4).all(dim=1)
-        dist = (norms[:, :, None] + norms[:, None, :] - 2 * gram).clamp_min_(0)
-        dist.diagonal(dim1=1, dim2=2).fill_(0)
-        nearest = dist.to(sets.dtype).argsort(dim=2, stable=True)[:, :, :keep]
-        weights = torch.zeros(c, m, m, dtype=sets.dtype, device=sets.device).scatter_(2, nearest, 1.0 / keep)
-        mixed = weights @ sets
+        dist, norms = _gram_sq_distances(sets.double())
+        safe = (norms <= HUGE_SQ_NORM).all(dim=1)
+        mixed, _ = _mix_nearest(sets, dist.to(sets.dtype), m - ctx.num_byzantine)
         redo = ~safe | ~torch.isfinite(mixed).flatten(1).all(dim=1)
         for i in redo.nonzero().flatten().tolist():
             mixed[i] = self(sets[i], ctx)

@@ -148,12 +148,13 @@ class Directions:
     distribution: str = "gaussian"
     threads_per_tensor = False  # True: calls use several threads themselves (do not map tensors over a pool)
 
-    def describe(self) -> dict:
-        return {"name": self.name, "version": self.version, "distribution": self.distribution}
-
     def identity(self) -> tuple[str, int, str]:
         """``(name, version, distribution)``: what a plan names and a client must reproduce."""
         return self.name, self.version, self.distribution
+
+    def describe(self) -> dict:
+        """:meth:`identity` by field name, as a ledger records it."""
+        return dict(zip(("name", "version", "distribution"), self.identity(), strict=True))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
@@ -287,36 +288,35 @@ class CounterDirections(Directions):
     def total(self, like, index, terms, cache=None):
         return self._accumulate(like, index, terms, cache).to(like.dtype)
 
+    def _kernel_sum(self, base: torch.Tensor, index: int, terms: Terms, in_place: bool) -> torch.Tensor:
+        """``dtype(T(base) + sum_k c_k z_k)`` by the kernel, into ``base`` itself when ``in_place``."""
+        ct = self._compute_type(base)
+        if base.dtype == ct:
+            out = base if in_place else torch.empty_like(base)
+            self._fused(base, out, index, terms)
+            return out
+        work = base.to(ct)
+        self._fused(work, work, index, terms)
+        return base.copy_(work) if in_place else work.to(base.dtype)
+
     def perturb(self, param, index, terms, cache=None):
         ct = self._compute_type(self._real(param))
         if not terms:
             return param.clone()
         if cache is None and self._native(param) and not (torch.is_grad_enabled() and param.requires_grad):
-            base = param.detach()
-            if base.dtype == ct:
-                out = torch.empty_like(base)
-                self._fused(base, out, index, terms)
-                return out
-            work = base.to(ct)
-            self._fused(work, work, index, terms)
-            return work.to(param.dtype)
+            return self._kernel_sum(param.detach(), index, terms, in_place=False)
         return (param.to(ct) + self._accumulate(param.detach(), index, terms, cache)).to(param.dtype)
 
     def step_(self, param, index, terms, lr, cache=None):
-        scaled = [(s, -lr * c) for s, c in terms]
-        ct = self._compute_type(self._real(param))
+        self._real(param)
         if not terms:
             return
+        scaled = [(s, -lr * c) for s, c in terms]
         if cache is None and self._native(param):
-            if param.dtype == ct:
-                self._fused(param.detach(), param.detach(), index, scaled)
-                torch.autograd.graph.increment_version(param)  # written through a pointer: tell autograd
-            else:
-                work = param.detach().to(ct)
-                self._fused(work, work, index, scaled)
-                param.copy_(work)
-            return
-        param.copy_(self.perturb(param.detach(), index, scaled, cache))
+            self._kernel_sum(param.detach(), index, scaled, in_place=True)
+            torch.autograd.graph.increment_version(param)  # written through a pointer: tell autograd
+        else:
+            param.copy_(self.perturb(param.detach(), index, scaled, cache))
 
 
 GENERATORS = ("counter", "torch")
@@ -332,10 +332,8 @@ def build_directions(name: str = "counter", distribution: str = "gaussian") -> D
     return CounterDirections(distribution)
 
 
-def from_description(description: dict | None) -> Directions:
-    """The generator a ledger names (``None``: a ledger made before generators were recorded -> ``torch`` v1)."""
-    if description is None:
-        return TorchDirections()
+def from_description(description: dict) -> Directions:
+    """The generator a ledger names (``ledger.generator_of`` gives ``torch`` v1 for ledgers without one)."""
     generator = build_directions(description.get("name"), description.get("distribution", "gaussian"))
     if description.get("version") != generator.version:
         raise ValueError(f"The ledger's direction generator {description} has version {description.get('version')!r}; "

@@ -41,10 +41,12 @@ class Schedule:
         self.name, self.cache_budget_gb = name, cache_budget_gb
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
 
-    def resolve(self, kept_bytes: int, fused: bool) -> str:
-        """The schedule of a round whose kept directions would take ``kept_bytes``; ``fused``: the generator draws
-        and adds every trainable tensor in one pass."""
-        if self.name == "auto":
+    def resolve(self, table: ParameterTable, num_directions: int) -> str:
+        """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters."""
+        if self.name == "auto":  # decided once, at the first round
+            directions = table.directions
+            kept_bytes = directions.kept_bytes(table.params) * num_directions
+            fused = all(directions.fused(p) for p in table.params)
             fits = kept_bytes <= self.cache_budget_gb * 2**30
             self.name = "cached" if fits and not fused else "two_forwards"
             logger.info("zo_schedule='auto': %s (fused draws: %s; the round's directions take %.3g GB, "

@@ -204,10 +204,8 @@ class ZOByzantineTrainer(Trainer):
         lr = self.zo_optimizer.learning_rate()
         local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else lr
         plan = self.server.plan(t, participants, local_lr)
-        directions = self.table.directions
-        kept = directions.kept_bytes(self.table.params) * plan.num_directions(len(ids))
-        fused = all(directions.fused(p) for p in self.table.params)
-        cache = {} if self.schedule.resolve(kept, fused) == "cached" else None  # the round's directions
+        schedule = self.schedule.resolve(self.table, plan.num_directions(len(ids)))
+        cache = {} if schedule == "cached" else None  # the round's directions
         sizes = [len(self.federation.partitions[c]) for c in ids]
         with torch.no_grad():
             reports = client_reports(plan, self.round_clients(model, inputs, len(ids), cache), self.table, ids, sizes)
