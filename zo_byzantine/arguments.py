@@ -124,7 +124,7 @@ class ZOByzantineArguments(TrainingArguments):
             (nu * K * d values) when they are not drawn by a fused kernel; 0 keeps memory at inference level.
         zo_generator (`str`, defaults to `"counter"`): the direction generator. `"counter"`: a counter-based
             stream, the same bits on every device (CPU or GPU), drawn and added in one fused pass. `"torch"`:
-            `torch.randn` per tensor (the stream of runs made before 0.2; CPU and CUDA streams differ).
+            `torch.randn` per tensor (the stream of runs made before 0.2), drawn on the CPU and copied to the device.
         zo_distribution (`str`, defaults to `"gaussian"`): `"gaussian"` (the papers') or `"rademacher"` (+-1;
             `zo_generator="counter"` only).
         local_learning_rate (`float`, *optional*): step of the clients' local ZO-SGD steps; defaults to `learning_rate`.

@@ -9,9 +9,9 @@ same on every IEEE-754 device, CPU or GPU, compiled kernel or plain torch. Gauss
 by less than 2e-6 relative (test), far below what the estimator can see: ``E[z] = 0`` and ``E[z z^T] = I``
 are what it needs.
 
-``torch`` (version 1): ``torch.randn`` from a ``torch.Generator`` per tensor, the stream of runs made
-before the counter generator (their ledgers replay with it). CPU (MT19937) and CUDA (Philox) streams
-differ: every party of such a run must generate on the same device type.
+``torch`` (version 1): ``torch.randn`` from a CPU ``torch.Generator`` per tensor, the stream of runs made
+before the counter generator (their ledgers replay with it). Drawn on the CPU and copied to the parameter's
+device: torch's CUDA generator (Philox) gives other numbers than the CPU one (MT19937) for the same seed.
 
 A ledger records ``describe()`` of its run's generator; ``from_description`` rebuilds it.
 """
@@ -196,15 +196,17 @@ class Directions:
 
 
 class TorchDirections(Directions):
-    """``z_j = torch.randn`` from ``torch.Generator(seed=tensor_seed(s, j))`` on the parameter's device."""
+    """``z_j = torch.randn`` from a CPU ``torch.Generator(seed=tensor_seed(s, j))``, moved to the parameter's
+    device: torch's CUDA generator gives other numbers than its CPU one for the same seed (measured on an H100),
+    so drawing on the CPU keeps a run's ledger replayable on any device, at the cost of a host-to-device copy."""
 
     name, version = "torch", 1
 
     def draw(self, like, seed, index):
-        generator = torch.Generator(device=like.device)
+        generator = torch.Generator()
         generator.manual_seed(tensor_seed(seed, index))
         COUNTER.add(like.numel())
-        return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=like.device)
+        return torch.randn(like.shape, generator=generator, dtype=like.dtype).to(like.device)
 
     def total(self, like, index, terms, cache=None):
         result = None

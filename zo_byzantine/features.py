@@ -34,9 +34,18 @@ def embed(encoder: nn.Module, tokenizer, texts: list[str], max_length: int, batc
     return torch.cat(out)
 
 
+def moments(train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training features' per-dimension mean and standard deviation. A dimension that does not vary
+    (std below 1e-6 times the median std: all-MiniLM-L6-v2's pooled output has one) gets std = inf, so that
+    its standardised value is 0 also when a fine-tuned encoder moves it (dividing by a tiny std would blow
+    a perturbation of 1e-3 up to 1e9)."""
+    std = train.std(0)
+    return train.mean(0), torch.where(std > 1e-6 * std.median(), std, torch.inf)
+
+
 def standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
     """``(x - mean) / std`` with the training features' statistics, for ``train`` and each of ``others``."""
-    mean, std = train.mean(0), train.std(0).clamp_min(1e-12)
+    mean, std = moments(train)
     return [(x - mean) / std for x in (train, *others)]
 
 
@@ -68,3 +77,20 @@ class FeatureHead(nn.Module):
 
 def collate_features(items: list[dict]) -> dict:
     return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
+
+
+class PooledClassifier(nn.Module):
+    """The encoder made trainable under a head trained on its frozen features (probe, then fine-tune):
+    ``logits = head((mean_pool(encoder(x)) - mean) / std)``, ``mean`` and ``std`` the frozen features'
+    statistics (buffers), so that at the start its logits are the probe's."""
+
+    def __init__(self, encoder: nn.Module, head: FeatureHead, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.encoder, self.head = encoder, head
+        self.register_buffer("mean", mean.detach().clone())
+        self.register_buffer("std", std.detach().clone())
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None):
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                              token_type_ids=token_type_ids).last_hidden_state
+        return self.head((mean_pool(hidden, attention_mask) - self.mean) / self.std, labels)

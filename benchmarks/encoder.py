@@ -1,0 +1,175 @@
+"""MiniLM's own weights trained by the protocol under attack: probe, then fine-tune (issue 18, item 2).
+
+1. Probe: the zeroth-order head of ``real_model.py`` on the frozen encoder's cached features (same data,
+   federation, rule and attack; 600 rounds, B = 64, nu = 64).
+2. Fine-tune: :class:`~zo_byzantine.features.PooledClassifier` (encoder, mean pooling, the probe's
+   standardisation and head), so that training starts from the probe's predictions; ``ZOByzantineTrainer``
+   perturbs and updates the encoder's weights (``--trainable``: ``layers`` = the six Transformer layers, the
+   embeddings frozen; ``lora``; ``all``) and the head, n = 12, b = 3, Dirichlet alpha = 1, the same rule and
+   attack, constant learning rate, until ``--rounds`` or ``--minutes``. Validation accuracy every
+   ``--eval_every`` rounds, with the training seconds spent so far.
+
+    python benchmarks/encoder.py --task sst2 --attack none --minutes 6 --out sst2_none.json   # on a GPU
+    python benchmarks/encoder.py --smoke                                                       # CI smoke
+
+References (``results/real_model.md``, centralised, first-order): full fine-tuning 83.4 (SST-2) and 96.8 (TREC);
+the zeroth-order head on frozen features 78.1 and 88.5 without attack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import DataCollatorWithPadding, TrainerCallback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from real_model import MAX_LENGTH, PER_CLASS, ROOT, load, load_minilm, zo_arguments, zo_run  # noqa: E402
+
+from zo_byzantine import ZOByzantineTrainer  # noqa: E402
+from zo_byzantine.features import FeatureHead, PooledClassifier  # noqa: E402
+from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
+
+TRAINABLE = ("layers", "lora", "all")
+STARTED = time.monotonic()
+
+
+class Progress(TrainerCallback):
+    """Stops training after ``seconds`` of rounds or at the wall-clock time ``deadline`` (evaluating at the last
+    round), and records ``(round, accuracy, training seconds so far)`` at every evaluation; evaluation time is
+    not counted as training."""
+
+    def __init__(self, seconds: float | None, deadline: float | None = None):
+        self.seconds, self.deadline, self.curve, self.spent, self._began = seconds, deadline, [], 0.0, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.spent += time.perf_counter() - self._began
+        if (self.seconds is not None and self.spent >= self.seconds) or (
+                self.deadline is not None and time.monotonic() >= self.deadline):
+            control.should_training_stop = control.should_evaluate = True
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.curve.append((state.global_step, metrics["eval_accuracy"], round(self.spent, 2)))
+
+
+def select_trainable(model: PooledClassifier, trainable: str, lora_r: int) -> PooledClassifier:
+    """Freeze what ``trainable`` leaves out: ``layers`` the embeddings; ``lora`` the whole encoder behind LoRA
+    adapters (rank ``lora_r`` on query and value); ``all`` nothing. The head always trains."""
+    if trainable not in TRAINABLE:
+        raise ValueError(f"--trainable={trainable!r}; accepted: {', '.join(TRAINABLE)}.")
+    if trainable == "layers":
+        model.encoder.embeddings.requires_grad_(False)
+    elif trainable == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model.encoder = get_peft_model(model.encoder, LoraConfig(r=lora_r, lora_alpha=2 * lora_r,
+                                                                 target_modules=["query", "value"]))
+    return model
+
+
+def tokenized(tokenizer, examples: list[dict]) -> list[dict]:
+    encoded = tokenizer([e["text_a"] for e in examples], truncation=True, max_length=MAX_LENGTH)
+    return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
+
+
+def run(args) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    data_dir = os.path.join(args.data, args.task)
+    per_class = 16 if args.smoke else PER_CLASS[args.task]
+    dev_size = 100 if args.smoke else None
+    train_rows, dev_rows, (train_f, dev_f), spec, (mean, std) = load(args.task, data_dir, per_class, dev_size,
+                                                                       args.seed, device)
+    began = time.perf_counter()
+    if args.probe_rounds == 0:  # timing runs: an untrained head
+        probe = {"model": FeatureHead(train_f.x.shape[1], spec.num_labels), "best": math.nan, "final": math.nan}
+    else:
+        with tempfile.TemporaryDirectory() as out:
+            probe = zo_run(train_f, dev_f, spec, args.rule, args.attack, args.seed, args.probe_rounds,
+                           max(args.probe_rounds // 4, 1), out, keep_model=True)
+    probe_seconds = time.perf_counter() - began
+    print(f"{args.task} {args.rule}/{args.attack}: probe best {probe['best']:.3f} final {probe['final']:.3f} "
+          f"({probe_seconds:.0f} s)", flush=True)
+
+    tokenizer, encoder = load_minilm(device)
+    model = select_trainable(PooledClassifier(encoder, probe["model"], mean, std), args.trainable, args.lora_r)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    progress = Progress(None if args.minutes is None else 60 * args.minutes,
+                        None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
+    with tempfile.TemporaryDirectory() as out:
+        torch.manual_seed(args.seed)
+        zo = zo_arguments(out, args.rule, args.attack, args.seed, args.rounds, args.eval_every,
+                          per_device_train_batch_size=args.batch, num_perturbations=args.nu, zo_eps=args.mu,
+                          learning_rate=args.lr, lr_scheduler_type="constant", per_device_eval_batch_size=256,
+                          use_cpu=device == "cpu")
+        trainer = ZOByzantineTrainer(
+            model=model, args=zo, train_dataset=tokenized(tokenizer, train_rows),
+            eval_dataset=tokenized(tokenizer, dev_rows), data_collator=DataCollatorWithPadding(tokenizer),
+            compute_metrics=compute_metrics_fn(["accuracy"]), callbacks=[progress],
+        )
+        start = trainer.evaluate()["eval_accuracy"]
+        trainer.train()
+        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    rounds = trainer.state.global_step
+    accuracies = [a for _, a, _ in progress.curve]
+    result = {
+        "task": args.task, "rule": args.rule, "attack": args.attack, "seed": args.seed, "trainable": args.trainable,
+        "trainable_parameters": trainable, "lr": args.lr, "mu": args.mu, "nu": args.nu, "batch_per_client": args.batch,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds,
+        "start": start, "best": max([start, *accuracies]), "final": accuracies[-1] if accuracies else start,
+        "rounds": rounds, "seconds": progress.spent, "ms_per_round": 1000 * progress.spent / max(rounds, 1),
+        "curve": progress.curve, "loss": losses,
+    }
+    print(f"{args.task} {args.rule}/{args.attack} {args.trainable} lr {args.lr}: start {start:.3f} best "
+          f"{result['best']:.3f} final {result['final']:.3f} after {rounds} rounds "
+          f"({result['ms_per_round']:.1f} ms/round on {result['device']})", flush=True)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="sst2", choices=["sst2", "trec"])
+    parser.add_argument("--rule", default="cwtm")
+    parser.add_argument("--attack", default="none")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainable", default="layers", choices=TRAINABLE)
+    parser.add_argument("--lora_r", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--mu", type=float, default=1e-3)
+    parser.add_argument("--nu", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16, help="examples per client per round")
+    parser.add_argument("--probe_rounds", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=100_000)
+    parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+    parser.add_argument("--wall_minutes", type=float, default=None,
+                        help="stop training this long after the script started (loading and probe included)")
+    parser.add_argument("--eval_every", type=int, default=250)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"))
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="16 examples per class, 100 validation, few rounds")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.probe_rounds, args.rounds, args.eval_every, args.batch = 8, 4, 2, 4
+    logging.disable(logging.WARNING)
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Probe, then fine-tune: the pooled classifier starts at the probe's predictions, constant feature dimensions
+stay 0, and the encoder benchmark's smoke (real MiniLM, real SST-2) runs every stage."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from helpers import sentences, wordpiece_tokenizer
+from prompt_helpers import DATA
+from transformers import BertConfig, BertModel
+
+from zo_byzantine.features import FeatureHead, PooledClassifier, embed, moments, standardize
+from zo_byzantine.perturbation import ParameterTable, perturbed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_moments_zero_a_constant_dimension_even_when_it_moves():
+    train = torch.randn(50, 4, dtype=torch.float64)
+    train[:, 2] = 1e-9 * torch.randn(50, dtype=torch.float64)  # float noise around a dead dimension
+    mean, std = moments(train)
+    assert torch.isinf(std[2]) and torch.isfinite(std[[0, 1, 3]]).all()
+    torch.testing.assert_close(std[[0, 1, 3]], train[:, [0, 1, 3]].std(0))
+    moved = train + 1e-3  # what a perturbed encoder does to every dimension
+    standardized = (moved - mean) / std
+    assert torch.equal(standardized[:, 2], torch.zeros(50, dtype=torch.float64))
+    torch.testing.assert_close(standardized[:, 0], (moved[:, 0] - train[:, 0].mean()) / train[:, 0].std())
+    assert torch.equal(standardize(train)[0][:, 2], torch.zeros(50, dtype=torch.float64))
+
+
+def test_pooled_classifier_starts_at_the_probe_and_perturbs_only_the_encoder_and_head():
+    tokenizer = wordpiece_tokenizer()
+    torch.manual_seed(0)
+    encoder = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=2,
+                                   num_attention_heads=2, intermediate_size=32, max_position_embeddings=64),
+                        add_pooling_layer=False).eval()
+    texts = [s for s, _ in sentences(12)]
+    features = embed(encoder, tokenizer, texts, max_length=16, batch=5)  # the probe's path: batches of 5
+    mean, std = moments(features)
+    head = FeatureHead(16, 3)
+    model = PooledClassifier(encoder, head, mean, std).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch)["logits"]
+        torch.testing.assert_close(logits, head(standardize(features)[0])["logits"], rtol=1e-5, atol=1e-5)
+        table = ParameterTable(model)
+        assert {n.split(".")[0] for n in table.names} == {"encoder", "head"} and "mean" not in table.names
+        with perturbed(table, [(123, 1e-3)]):
+            moved = model(**batch)["logits"]
+    assert 0 < float((moved - logits).abs().max()) < 1.0  # a 1e-9 std scale would make it ~1e5 or more
+
+
+def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
+    out = tmp_path / "encoder.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--smoke", "--data", DATA, "--out",
+           str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 4 and result["probe"]["curve"]
+    assert result["start"] == result["probe"]["final"]  # the fine-tune starts from the probe's predictions
+    assert [step for step, _, _ in result["curve"]] == [0, 2, 4]
+    assert 10_000_000 < result["trainable_parameters"] < 11_000_000  # six layers and the head; embeddings frozen
+    assert all(0.0 <= acc <= 1.0 for _, acc, _ in result["curve"])
