@@ -118,6 +118,29 @@ def test_local_steps_match_a_slow_implementation_that_copies_models(tmp_path, mo
     assert not torch.equal(_flat(model), before)
 
 
+@pytest.mark.parametrize("mode", ["unbiased", "compressed"])
+def test_kept_local_models_equal_regenerated_ones_with_passes_linear_in_k(tmp_path, mode):
+    """Local models kept (the default budget) or regenerated from their terms (budget 0): the same rounds up to
+    rounding; generator passes per round (units of d; N = 3 clients, nu = 2, K = 4, two forwards):
+    kept:        4 (step 1, shared) + 3 steps x 3 clients x (nu to advance + 2 nu perturbed) + K nu update = 66
+    regenerated: 4 + 3 clients x sum_{l=2..4} 2 nu ((l - 1) nu + 1) + 8 = 192 (unbiased)."""
+    runs = {}
+    for budget in (1.0, 0.0):
+        model = _model()
+        trainer = _trainer(model, tmp_path / str(budget), local_steps=4, local_update=mode, local_learning_rate=0.5,
+                           zo_cache_budget_gb=budget, zo_schedule="two_forwards")
+        trainer.train()
+        passes = [e["generator_passes_per_round"] for e in trainer.state.log_history if "loss" in e]
+        runs[budget] = (_flat(model), passes, [r["coefficients"] for r in trainer.ledger.rounds])
+    (kept, kept_passes, kept_coeffs), (regen, regen_passes, regen_coeffs) = runs[1.0], runs[0.0]
+    torch.testing.assert_close(kept, regen, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(kept_coeffs), torch.tensor(regen_coeffs), rtol=1e-9, atol=1e-12)
+    # compressed: the update draws the basis Z_t (nu = 2 instead of K nu = 8), and the projection Z_t^T Z_l
+    # draws nu + K nu = 10: 4 more in all
+    extra = 4 if mode == "compressed" else 0
+    assert kept_passes == [66 + extra] * 2 and regen_passes == [192 + extra] * 2
+
+
 def test_k1_biased_and_unbiased_are_bitwise_identical(tmp_path):
     a, b = _model(), _model()
     _trainer(a, tmp_path / "a", local_update="unbiased").train()

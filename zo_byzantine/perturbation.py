@@ -82,14 +82,17 @@ class ParameterTable:
 
 
 @contextlib.contextmanager
-def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
+def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
+              base: list[torch.Tensor] | None = None):
     """Within the block, forwards of the table's model compute ``F(w + sum_k c_k z_k)``.
 
     Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
     while it runs. With no terms, the block is a plain forward. ``cache``: directions kept by seed
     (``Directions.total``); a tied parameter is perturbed once per forward and shared by its owners.
+    ``base`` (no gradients): tensors ``b_j`` (any float dtype) that stand for the weights, so that the
+    forwards compute ``F(b + sum_k c_k z_k)``, cast to each parameter's dtype (a client's local model).
     """
-    if not terms:
+    if not terms and base is None:
         yield
         return
     handles = []
@@ -104,7 +107,12 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None):
             table.reached.add(index)
             shifted = tied.get(index)
             if shifted is None:
-                shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
+                if base is None:
+                    shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
+                else:
+                    source = base[index]
+                    shifted = (table.directions.perturb(source, index, terms, cache) if terms else source)
+                    shifted = shifted.to(param.dtype)
                 if index in table.tied:
                     tied[index] = shifted
             originals.append((name, param))

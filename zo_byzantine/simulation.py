@@ -41,6 +41,13 @@ class Schedule:
         self.name, self.cache_budget_gb = name, cache_budget_gb
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
 
+    def keeps_local_models(self, table: ParameterTable, num_clients: int) -> bool:
+        """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each) fit
+        ``cache_budget_gb``: then local steps advance each client's model instead of regenerating its terms."""
+        if any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
+            return False  # a half-precision local model would be rounded at every step
+        return num_clients * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
+
     def resolve(self, table: ParameterTable, num_directions: int) -> str:
         """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters."""
         if self.name == "auto":  # decided once, at the first round
@@ -52,6 +59,33 @@ class Schedule:
             logger.info("zo_schedule='auto': %s (fused draws: %s; the round's directions take %.3g GB, "
                         "zo_cache_budget_gb=%g).", self.name, fused, kept_bytes / 2**30, self.cache_budget_gb)
         return self.name
+
+
+class LocalModels:
+    """Each client's local model within a round, ``w_i = w + sum_k c_{i,k} z_k`` (its earlier local steps), kept
+    as tensors and advanced by the terms added since the last call: a forward at local step ``l`` then draws its
+    perturbation only (``nu`` terms per advance), not the ``l nu`` terms of its model (SPEC 1.5). Equal to the
+    regenerated sum up to rounding (the sum is accumulated in a different order)."""
+
+    def __init__(self, table: ParameterTable, cache: dict | None = None):
+        self.table, self.cache = table, cache
+        self.held: dict[int, tuple[tuple, list[torch.Tensor]]] = {}  # client -> (its terms, its weights)
+
+    def base(self, client: int, terms: Terms) -> list[torch.Tensor] | None:
+        """Client ``client``'s weights ``w + sum terms``, or ``None`` when ``terms`` is empty (``w`` itself)."""
+        terms = tuple(terms)
+        if not terms:
+            return None
+        held, weights = self.held.get(client, ((), None))
+        if terms[: len(held)] != held:  # not an extension of the model held: start again from w
+            held, weights = (), None
+        new = list(terms[len(held):])
+        if new:
+            directions = self.table.directions
+            sources = weights or [p.detach() for p in self.table.params]
+            weights = [directions.perturb(w, j, new, self.cache) for j, w in enumerate(sources)]
+            self.held[client] = (terms, weights)
+        return weights
 
 
 def _rows(inputs: dict) -> int:
@@ -91,6 +125,7 @@ class BatchedClients:
         self.model, self.table, self.inputs = model, table, inputs
         self.m, self.batch, self.forward, self.schedule = num_clients, batch, forward, schedule
         self.chunk, self.context, self.cache = forward_batch_size, context, cache
+        self.local = LocalModels(table, cache) if schedule.keeps_local_models(table, num_clients) else None
         self.rows = torch.arange(num_clients, device=next(v for v in inputs.values() if torch.is_tensor(v)).device)
         self.rows = self.rows.repeat_interleave(batch)
 
@@ -103,10 +138,12 @@ class BatchedClients:
         for start in range(0, total, size):
             yield _slice(inputs, start, start + size, total)
 
-    def batched_losses(self, inputs: dict, client_of_example, num_clients: int, terms: Terms, cache=None):
-        """Loss of each client at ``w + sum_k c_k z_k``: forwards over all clients' examples."""
+    def batched_losses(self, inputs: dict, client_of_example, num_clients: int, terms: Terms, cache=None,
+                       base: list[torch.Tensor] | None = None):
+        """Loss of each client at ``w + sum_k c_k z_k`` (``base + ...`` when given): forwards over all clients'
+        examples."""
         sums, counts = [], []
-        with perturbed(self.table, terms, cache), self.context():
+        with perturbed(self.table, terms, cache, base), self.context():
             for chunk in self._chunks(inputs):
                 s, c = self.forward(self.model, chunk)
                 sums.append(s)
@@ -129,15 +166,19 @@ class BatchedClients:
         return plus.cpu(), minus.cpu()
 
     def losses(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
-        """One batched evaluation when all clients share their terms, else one per client (float64, on CPU)."""
+        """One batched evaluation when all clients share their terms, else one per client (float64, on CPU);
+        then, with local models kept, client ``i`` is evaluated at its model ``w + terms[:-1]`` plus the last
+        term."""
         first = terms_per_client[0]
         if all(terms == first for terms in terms_per_client):
             return self.batched_losses(self.inputs, self.rows, self.m, first, cache).cpu()
         one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-        each = [
-            self.batched_losses(self.client_inputs(i), one, 1, terms, cache)
-            for i, terms in enumerate(terms_per_client)
-        ]
+        each = []
+        for i, terms in enumerate(terms_per_client):
+            base = None
+            if self.local is not None and len(terms) > 1:
+                base, terms = self.local.base(i, terms[:-1]), terms[-1:]
+            each.append(self.batched_losses(self.client_inputs(i), one, 1, terms, cache, base))
         return torch.cat(each).cpu()
 
     def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,55 @@
+"""Local steps linear in K (issue 19, item 2): a K = 8 round against eight K = 1 rounds, MiniLM, 4 clients x 4
+examples, nu = 1, two forwards per direction, in one run with the rows interleaved.
+
+    python benchmarks/local_steps.py               # target: K = 8 round <= 1.3 x 8 x the K = 1 round
+
+Rows: K = 1; K = 8 with the clients' local models kept (``zo_cache_budget_gb`` 1, the default); K = 8 with them
+regenerated from their terms at every forward (budget 0, the path before). Printed: best seconds per round,
+the median over rounds of the ratio to 8 x K = 1, generator passes per round (units of d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+
+from _common import interleaved, machine, minilm
+from overhead import build, ours
+
+from zo_byzantine.directions import COUNTER
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)
+    model, source = minilm()
+    d = sum(p.numel() for p in model.parameters())
+    k = args.steps
+    print(f"# local steps: BERT {d / 1e6:.1f}M ({source}); {machine()}; 4 clients x 4 examples, {args.seq_len} "
+          f"tokens, nu = 1, two_forwards; {args.repeats} rounds of all rows in turn")
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = {"K = 1": (1, 1.0), f"K = {k}, local models kept": (k, 1.0),
+                    f"K = {k}, regenerated (budget 0)": (k, 0.0)}
+        rows, passes = {}, {}
+        for name, (steps, budget) in settings.items():
+            trainer, inputs = build(model, 4, 4, args.seq_len, tmp, zo_schedule="two_forwards", local_steps=steps,
+                                    local_learning_rate=1e-7, zo_cache_budget_gb=budget)
+            rows[name] = (lambda t=trainer, i=inputs: ours(t, model, i))
+            start = COUNTER.drawn
+            rows[name]()
+            passes[name] = (COUNTER.drawn - start) / d
+        times = interleaved(rows, args.repeats, reference="K = 1")
+    print(f"| row | best time per round (s) | ratio to {k} x K = 1 (best) | median of per-round ratios / {k} "
+          "| generator passes per round |\n|---|---|---|---|---|")
+    base = times["K = 1"][0]
+    for name, (seconds, ratio) in times.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / (k * base):.2f} | {ratio / k:.2f} | {passes[name]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
