@@ -119,8 +119,8 @@ def test_two_point_estimate_is_directional_derivative_up_to_mu_squared():
             with torch.no_grad(), perturbed(table, [] if r is None else [(seed, coeff)]):
                 return model().reshape(1)
 
-        def loss_pair(self, r, mu):
-            return self.loss(r, mu), self.loss(r, -mu)
+        def loss_pairs(self, mu):  # [clients, directions] each
+            return self.loss(0, mu)[:, None], self.loss(0, -mu)[:, None]
 
     errors = []
     for mu in (1e-1, 1e-2):

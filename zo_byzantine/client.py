@@ -3,7 +3,7 @@
 ``client_reports(plan, clients, table, ids, sizes)`` runs the round's local steps for the clients ``ids``
 and returns one :class:`Report` each. ``clients`` evaluates them (all together in one batched forward
 when their terms agree; see ``simulation.BatchedClients``): ``losses(terms_per_client) -> Tensor[m]``
-(client ``i`` at ``w + sum terms_i``), ``loss_pair(offsets, seeds, mu) -> (plus, minus)`` and
+(client ``i`` at ``w + sum terms_i``), ``loss_pairs(offsets, seeds, mu) -> (plus, minus)`` (n x nu each) and
 ``gradients(terms_per_client) -> (grads, losses)``. A deployment's client is the case ``ids = [c]``.
 
 Local steps (SPEC 1.5): client ``i``'s local model is ``w_t`` plus its own seeded steps, kept as
@@ -38,9 +38,9 @@ class Oracle:
         extra = [[] if r is None else [(seeds[r], coeff)] for seeds in self.seeds]
         return self.clients.losses([offset + e for offset, e in zip(self.offsets, extra, strict=True)])
 
-    def loss_pair(self, r: int, mu: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Losses at ``w_i + mu z_{i,r}`` and ``w_i - mu z_{i,r}``."""
-        return self.clients.loss_pair(self.offsets, [seeds[r] for seeds in self.seeds], mu)
+    def loss_pairs(self, mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses at ``w_i + mu z_{i,r}`` and ``w_i - mu z_{i,r}`` for every direction ``r`` (n x nu each)."""
+        return self.clients.loss_pairs(self.offsets, self.seeds, mu)
 
     def _grads(self):
         if self._gradients is None:

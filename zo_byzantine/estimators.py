@@ -3,7 +3,8 @@
 An estimator takes an oracle and ``nu`` and returns every client's vector
 ``v_i = (1/nu) (g_i[1], ..., g_i[nu])`` in R^nu. The oracle evaluates all clients at once:
 ``oracle.loss(r, c)`` is the loss of each client at ``w_i + c z_{i,r}`` (``r=None``: at ``w_i``),
-``oracle.loss_pair(r, mu)`` the losses at ``w_i + mu z`` and ``w_i - mu z`` (the schedule decides how),
+``oracle.loss_pairs(mu)`` the losses at ``w_i + mu z_{i,r}`` and ``w_i - mu z_{i,r}`` for every ``r`` (n x nu
+each; the schedule decides how),
 ``oracle.grad_dot(r)`` is ``<grad F_i(w_i), z_{i,r}>`` by backprop.
 
 - ``two_point``:           ``g = (F(w + mu z) - F(w - mu z)) / (2 mu)``   (2 forwards per direction)
@@ -42,8 +43,8 @@ class TwoPoint:
 
     def __call__(self, oracle, num_directions: int) -> Estimate:
         columns, losses = [], 0.0
-        for r in range(num_directions):
-            plus, minus = oracle.loss_pair(r, self.mu)
+        pluses, minuses = oracle.loss_pairs(self.mu)
+        for plus, minus in zip(pluses.T, minuses.T, strict=True):
             columns.append((plus - minus) / (2 * self.mu))
             losses = losses + (plus + minus) / 2
         return Estimate(torch.stack(columns, dim=1) / num_directions, losses / num_directions)

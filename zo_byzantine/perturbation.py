@@ -183,85 +183,102 @@ def apply_update(
         list(_POOL.map(update, table))
 
 
-_HALF = threading.local()  # sign of the half an enclosing owner module is running (nested owners)
+_GROUP = threading.local()  # the group an enclosing owner module is running (nested owners run it too)
 
 
-def _split(value, n: int, part: int):
-    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
-        return value[: n // 2] if part == 0 else value[n // 2 :]
+def _part(value, groups: int, rows: int, g: int):
+    """Group ``g``'s slice of a stacked input (leading dimension ``groups * rows``); other values whole."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == groups * rows:
+        return value[g * rows : (g + 1) * rows]
     return value
 
 
-def _concat(first, second, half: int | None = None):
-    """Join the two halves' outputs; ``half`` set: outputs of a broadcast input (leading dim 1) are expanded."""
+def _stack_outputs(outputs: list, rows: int):
+    """Join the groups' outputs group-major; an output of leading dimension 1 (from a broadcast input) is
+    expanded to ``rows`` first."""
+    first = outputs[0]
     if torch.is_tensor(first):
-        if half is not None:
-            if first.dim() == 0 or first.shape[0] != 1:
-                raise TypeError(f"antithetic forward: output of shape {tuple(first.shape)} for a broadcast input")
-            return torch.cat([first.expand(half, *first.shape[1:]), second.expand(half, *second.shape[1:])])
-        return torch.cat([first, second])
+        if first.dim() == 0 or first.shape[0] not in (1, rows):
+            raise TypeError(f"stacked forward: an output of shape {tuple(first.shape)} is not per example")
+        return torch.cat([o.expand(rows, *o.shape[1:]) for o in outputs])
     if first is None:
         return None
     if isinstance(first, tuple | list):
-        return type(first)(_concat(a, b, half) for a, b in zip(first, second, strict=True))
+        return type(first)(_stack_outputs(list(parts), rows) for parts in zip(*outputs, strict=True))
     if isinstance(first, dict):
-        return type(first)({k: _concat(first[k], second[k], half) for k in first})
-    raise TypeError(f"antithetic forward cannot join outputs of type {type(first).__name__}")
+        return type(first)({k: _stack_outputs([o[k] for o in outputs], rows) for k in first})
+    raise TypeError(f"stacked forward cannot join outputs of type {type(first).__name__}")
+
+
+def _linear_all_groups(module: nn.Linear, weights: list[dict], x: torch.Tensor) -> torch.Tensor:
+    """``x [W_1; ...; W_G]^T + [b_1; ...; b_G]`` reshaped group-major: one matrix product for every group's
+    weights when the groups share the input ``x``."""
+    groups = len(weights)
+    weight = torch.cat([w.get("weight", module.weight) for w in weights])  # [G out, in]
+    bias = None if module.bias is None else torch.cat([w.get("bias", module.bias) for w in weights])
+    y = nn.functional.linear(x, weight, bias).unflatten(-1, (groups, module.out_features))
+    return y.movedim(-2, 0).reshape(groups * x.shape[0], *y.shape[1:-2], module.out_features)
 
 
 @contextlib.contextmanager
-def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: int):
-    """Forwards of a doubled batch ``[x; x]`` (``batch`` rows): the first half is evaluated at
-    ``w + base + mu z``, the second at ``w + base - mu z``, and each owning module draws its ``z`` once
-    for both halves (one generator pass for the two evaluations of a two-point estimate).
+def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict | None = None):
+    """Forwards evaluate ``G = len(groups)`` models at once: group ``g`` at ``w + sum groups[g]``, its
+    outputs stacked group-major (leading dimension ``G * rows``); each owning module draws a direction once
+    for all groups.
 
-    Each owning module runs its own forward once per half: inputs whose leading dimension is ``batch``
-    are split and the outputs concatenated; a module fed a broadcast input (leading dimension 1, e.g.
-    position ids) gets it whole and its two outputs are expanded to the halves. This assumes modules
-    keep the batch as the leading dimension; the trainer checks the result against two plain forwards once.
+    Each owning module runs its own forward once per group, with that group's weights, on its input's
+    ``g``-th slice when the leading dimension is ``G * rows`` (stacked), else on the whole input (shared by
+    the groups: a plain ``nn.Linear`` then makes one matrix product for all groups; an output of leading
+    dimension 1, from a broadcast input, is expanded to ``rows``). This assumes modules keep the examples
+    as the leading dimension; callers check the result against plain forwards once. ``usage``: counts the
+    shared matrix products under ``"shared_products"``.
     """
     owned_by = {id(module): owned for module, owned in table.owners}
-
     tied: dict = {}  # tied parameters' directions, drawn once for all their owners
-    directions = table.directions
+    directions, count = table.directions, len(groups)
 
     def wrap(module, forward):
-        def split_forward(*args, **kwargs):
-            sign = getattr(_HALF, "sign", None)
-            shifts = []
-            for name, index in owned_by[id(module)]:
-                table.reached.add(index)
-                shifts.append((name, module._parameters[name], index, tied if index in table.tied else {}))
+        plain_linear = type(module).forward is nn.Linear.forward and "forward" not in module.__dict__
 
-            def set_half(s: float):  # the terms of two_forwards, base + [(seed, +-mu)]; z drawn once per module
-                for name, param, index, kept in shifts:
-                    module._parameters[name] = directions.perturb(param, index, [*base, (seed, s * mu)], kept)
+        def group_forward(*args, **kwargs):
+            owned = owned_by[id(module)]
+            originals = {name: module._parameters[name] for name, _ in owned}
+            kept = {}  # this module's directions, drawn once for all groups
+            for _, index in owned:
+                table.reached.add(index)
+
+            def weights(g: int) -> dict:
+                return {name: directions.perturb(originals[name], index, groups[g],
+                                                 tied if index in table.tied else kept) for name, index in owned}
+
+            def run(g: int, call_args, call_kwargs):
+                module._parameters.update(weights(g))
+                _GROUP.index = g
+                try:
+                    return forward(*call_args, **call_kwargs)
+                finally:
+                    _GROUP.index = None
 
             try:
-                if sign is not None:  # called inside an enclosing owner's half: no second split
-                    set_half(sign)
+                current = getattr(_GROUP, "index", None)
+                if current is not None:  # inside an enclosing owner's group
+                    module._parameters.update(weights(current))
                     return forward(*args, **kwargs)
                 tensors = [v for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0]
-                split = any(v.shape[0] == batch for v in tensors)
-                halves = []
-                for part, s in enumerate((1.0, -1.0)):
-                    set_half(s)
-                    _HALF.sign = s
-                    try:
-                        if split:
-                            part_args = [_split(a, batch, part) for a in args]
-                            part_kwargs = {k: _split(v, batch, part) for k, v in kwargs.items()}
-                            halves.append(forward(*part_args, **part_kwargs))
-                        else:
-                            halves.append(forward(*args, **kwargs))
-                    finally:
-                        _HALF.sign = None
-                return _concat(*halves, None if split else batch // 2)
+                if any(v.shape[0] == count * rows for v in tensors):
+                    return _stack_outputs([run(g, [_part(a, count, rows, g) for a in args],
+                                               {k: _part(v, count, rows, g) for k, v in kwargs.items()})
+                                           for g in range(count)], rows)
+                if (plain_linear and len(args) == 1 and not kwargs
+                        and torch.is_tensor(args[0]) and args[0].dim() > 1 and args[0].shape[0] == rows):
+                    if usage is not None:
+                        usage["shared_products"] = usage.get("shared_products", 0) + 1
+                    return _linear_all_groups(module, [weights(g) for g in range(count)], args[0])
+                return _stack_outputs([run(g, args, kwargs) for g in range(count)], rows)
             finally:
-                for name, param, _, _ in shifts:
-                    module._parameters[name] = param
+                module._parameters.update(originals)
 
-        return split_forward
+        return group_forward
 
     previous = {id(module): module.__dict__.get("forward") for module, _ in table.owners}  # e.g. accelerate's
     try:
@@ -274,3 +291,11 @@ def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: 
                 module.forward = previous[id(module)]
             elif "forward" in module.__dict__:
                 del module.forward
+
+
+def antithetic(table: ParameterTable, base: Terms, seed: int, mu: float, batch: int):
+    """Forwards of a doubled batch ``[x; x]`` (``batch`` rows): the first half is evaluated at
+    ``w + base + mu z``, the second at ``w + base - mu z``; each owning module draws its ``z`` once for both
+    halves (one generator pass for the two evaluations of a two-point estimate). :func:`stacked` with two
+    groups; the trainer checks the result against two plain forwards once."""
+    return stacked(table, [[*base, (seed, mu)], [*base, (seed, -mu)]], batch // 2)

@@ -12,7 +12,11 @@ two_forwards, bitwise for cached):
                   (checked against two forwards at its first round; two_forwards if it does not match)
     auto          two_forwards when the generator draws and adds in one fused pass (regenerating z costs
                   less than reading it back); else cached when the round's directions fit
-                  ``zo_cache_budget_gb``; else two_forwards
+                  ``zo_cache_budget_gb``; else two_forwards. And, when the clients share their model and 2 nu
+                  copies of the trainable weights fit the budget, the 2 nu evaluations of a step in stacked
+                  forwards (``perturbation.stacked``) if a shared input meets every direction's weights in one
+                  matrix product (a first ``nn.Linear``: MLPs, logistic regression) and they give the
+                  one-direction-at-a-time losses at the first round
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from collections.abc import Callable
 import torch
 
 from .losses import client_losses, per_example_loss
-from .perturbation import ParameterTable, Terms, antithetic, perturbed
+from .perturbation import ParameterTable, Terms, antithetic, perturbed, stacked
 
 logger = logging.getLogger(__name__)
+
+STACKED_ROWS = 2**17  # examples x models of one stacked forward: bounds its activations
 
 
 class Schedule:
@@ -40,13 +46,17 @@ class Schedule:
     def __init__(self, name: str, cache_budget_gb: float = 0.0):
         self.name, self.cache_budget_gb = name, cache_budget_gb
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
+        self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
+
+    def _fits(self, table: ParameterTable, copies: int) -> bool:
+        return copies * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
 
     def keeps_local_models(self, table: ParameterTable, num_clients: int) -> bool:
         """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each) fit
         ``cache_budget_gb``: then local steps advance each client's model instead of regenerating its terms."""
         if any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
             return False  # a half-precision local model would be rounded at every step
-        return num_clients * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
+        return self._fits(table, num_clients)
 
     def resolve(self, table: ParameterTable, num_directions: int) -> str:
         """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters."""
@@ -180,6 +190,73 @@ class BatchedClients:
                 base, terms = self.local.base(i, terms[:-1]), terms[-1:]
             each.append(self.batched_losses(self.client_inputs(i), one, 1, terms, cache, base))
         return torch.cat(each).cpu()
+
+    def loss_pairs(self, offsets: list, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses at ``w_i + offset_i +- mu z_{i,r}`` for every direction ``r`` of ``seeds[i]`` (m x nu each):
+        stacked forwards when the clients share model and directions and stacking was chosen, else one
+        direction at a time."""
+        shared = all(o == offsets[0] for o in offsets) and all(s == seeds[0] for s in seeds)
+        if shared and self.schedule.stack is None:
+            self.schedule.stack = False  # unless the check below passes
+            reference = self._one_at_a_time(offsets, seeds, mu)
+            self.schedule.stack = self.check_stacking(offsets[0], seeds[0], mu, reference)
+            return reference
+        if shared and self.schedule.stack:
+            return self.stacked_pairs(offsets[0], seeds[0], mu)
+        return self._one_at_a_time(offsets, seeds, mu)
+
+    def _one_at_a_time(self, offsets, seeds, mu):
+        pairs = [self.loss_pair(offsets, [s[r] for s in seeds], mu) for r in range(len(seeds[0]))]
+        return torch.stack([p for p, _ in pairs], dim=1), torch.stack([m for _, m in pairs], dim=1)
+
+    def stacked_pairs(self, offset: Terms, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every client at ``w + offset +- mu z_r`` for all ``r``, the 2 nu models evaluated in stacked forwards
+        of at most ``STACKED_ROWS`` examples x models (m x nu each)."""
+        models = [[*offset, (seed, sign * mu)] for seed in seeds for sign in (1.0, -1.0)]
+        sums, counts = [], []  # per example chunk: [models, rows]
+        for chunk in self._chunks(self.inputs):
+            rows = _rows(chunk)
+            per = max(1, STACKED_ROWS // rows)
+            parts = []
+            for start in range(0, len(models), per):
+                group = models[start : start + per]
+                s, c = self._stacked_forward(chunk, group)
+                parts.append((s.view(len(group), rows), c.view(len(group), rows)))
+            sums.append(torch.cat([s for s, _ in parts]))
+            counts.append(torch.cat([c for _, c in parts]))
+        sums, counts = torch.cat(sums, dim=1), torch.cat(counts, dim=1)
+        losses = torch.stack([client_losses(s, c, self.rows, self.m) for s, c in zip(sums, counts, strict=True)])
+        losses = losses.cpu()  # [2 nu, m]
+        return losses[0::2].T, losses[1::2].T
+
+    def _stacked_forward(self, inputs: dict, models: list[Terms], usage: dict | None = None):
+        """Per-example ``(sums, counts)`` of ``models`` on ``inputs`` (labels repeated per model), model-major."""
+        rows, labels = _rows(inputs), inputs.get("labels")
+        if torch.is_tensor(labels) and labels.dim() > 0 and labels.shape[0] == rows:
+            inputs = {**inputs, "labels": labels.repeat(len(models), *[1] * (labels.dim() - 1))}
+        with stacked(self.table, models, rows, usage), self.context():
+            return self.forward(self.model, inputs)
+
+    def check_stacking(self, offset: Terms, seeds: list[int], mu: float, reference) -> bool:
+        """Whether stacked forwards fit the budget, make a shared matrix product (else they would only split
+        each module's forward, which costs more than it saves) and give ``reference`` (the one-at-a-time
+        losses)."""
+        if not self.schedule._fits(self.table, 2 * len(seeds)):
+            return False
+        usage: dict = {}
+        try:  # a probe first: two unperturbed models (nothing drawn) on one example
+            self._stacked_forward(_slice(self.inputs, 0, 1, _rows(self.inputs)), [[], []], usage)
+            if not usage.get("shared_products"):
+                logger.info("zo_schedule='auto': stacked directions not used (no shared matrix product).")
+                return False
+            candidate = self.stacked_pairs(offset, seeds, mu)
+        except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
+            logger.info("zo_schedule='auto': stacked directions not used (%s: %s).", type(err).__name__, err)
+            return False
+        agrees = all(torch.allclose(c, r, rtol=1e-4, atol=1e-6) for c, r in zip(candidate, reference, strict=True))
+        logger.info("zo_schedule='auto': stacked directions %s.", "used" if agrees else
+                    "not used (they do not give the one-at-a-time losses)")
+        return agrees
 
     def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses at ``w_i + offset_i +- mu z_i`` with the run's schedule."""

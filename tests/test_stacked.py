@@ -1,0 +1,103 @@
+"""Stacked directions (``perturbation.stacked``, ``zo_schedule="auto"``): several models in one forward, equal to
+one forward per model; chosen for a first ``nn.Linear`` (a shared matrix product), not for a BERT."""
+
+import copy
+
+import pytest
+import torch
+from helpers import (
+    LogisticRegression,
+    TextDataset,
+    VectorDataset,
+    collate,
+    make_trainer,
+    tiny_bert,
+    wordpiece_tokenizer,
+)
+
+from zo_byzantine.perturbation import COUNTER, ParameterTable, direction_seed, perturbed, stacked
+
+
+class Shift(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.randn(7))
+
+    def forward(self, scale):
+        return scale + self.b
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)
+        self.norm, self.shift = torch.nn.LayerNorm(7), Shift()
+
+    def forward(self, x, scale):  # scale: a broadcast input (leading dimension 1) of an owning module
+        shift = self.shift(scale)
+        return {"logits": self.second(torch.relu(self.norm(self.first(x))) * shift), "shift": shift}
+
+
+class DoubleVectors(VectorDataset):
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        return {"x": item["x"].double(), "labels": item["labels"]}
+
+
+def _models():
+    seeds = [direction_seed(1, 0, 1, r) for r in range(3)]
+    return [[(s, sign * 1e-2)] for s in seeds for sign in (1.0, -1.0)] + [[(seeds[0], 0.3), (seeds[1], -0.2)], []]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_stacked_forward_equals_one_forward_per_model(shared):
+    torch.manual_seed(0)
+    model = MLP().double()
+    table = ParameterTable(model)
+    x, scale = torch.randn(4, 5, dtype=torch.float64), torch.rand(1, 7, dtype=torch.float64)
+    models = _models()
+    usage = {}
+    with torch.no_grad(), stacked(table, models, 4, usage):
+        out = model(x if shared else x.repeat(len(models), 1), scale)
+    expected = []
+    for terms in models:
+        with torch.no_grad(), perturbed(table, terms):
+            expected.append(model(x, scale)["logits"])
+    torch.testing.assert_close(out["logits"], torch.cat(expected), rtol=1e-12, atol=1e-12)
+    assert out["shift"].shape == (len(models) * 4, 7)  # an output of a broadcast input, expanded per example
+    assert usage.get("shared_products", 0) == (1 if shared else 0)  # the first Linear, when its input is shared
+    assert all(torch.equal(a, b) for a, b in zip(ParameterTable(model).params, table.params, strict=True))
+
+
+def _run(tmp_path, model, **kwargs):
+    trainer = make_trainer(model, DoubleVectors(128), tmp_path, max_steps=3, num_perturbations=4, logging_steps=1,
+                           num_clients=4, per_device_train_batch_size=8, **kwargs)
+    start = COUNTER.drawn
+    trainer.train()
+    return trainer, (COUNTER.drawn - start) / ParameterTable(model).numel
+
+
+def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path):
+    torch.manual_seed(0)
+    model = LogisticRegression().double()
+    reference_model = copy.deepcopy(model)
+    trainer, passes = _run(tmp_path / "auto", model)  # zo_schedule="auto", the default
+    reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards")
+    assert trainer.schedule.stack is True and reference.schedule.stack is False
+    got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
+    expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    for a, b in zip(ParameterTable(model).params, ParameterTable(reference_model).params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    # nu = 4, 3 rounds: one at a time 3 draws per direction (+mu, -mu, update); stacked 2 (both signs, update).
+    # Round 1 runs one at a time (8), checks stacking (4), updates (4); rounds 2-3 stack (4) and update (4)
+    assert reference_passes == 3 * 4 * 3
+    assert passes == 8 + 4 + 4 + 2 * (4 + 4)
+
+
+def test_auto_does_not_stack_a_bert(tmp_path):
+    tokenizer = wordpiece_tokenizer()
+    model = tiny_bert(vocab_size=tokenizer.vocab_size)
+    trainer = make_trainer(model, TextDataset(tokenizer, 24), tmp_path, collate(tokenizer), max_steps=1)
+    trainer.train()
+    assert trainer.schedule.stack is False  # its first owners are embeddings: no shared matrix product
