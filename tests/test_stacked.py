@@ -49,13 +49,15 @@ def _models():
     return [[(s, sign * 1e-2)] for s in seeds for sign in (1.0, -1.0)] + [[(seeds[0], 0.3), (seeds[1], -0.2)], []]
 
 
+@pytest.mark.parametrize("kind", ["pairs", "pairs_after_offset", "general"])  # pairs: the product by linearity
 @pytest.mark.parametrize("shared", [True, False])
-def test_stacked_forward_equals_one_forward_per_model(shared):
+def test_stacked_forward_equals_one_forward_per_model(shared, kind):
     torch.manual_seed(0)
     model = MLP().double()
     table = ParameterTable(model)
     x, scale = torch.randn(4, 5, dtype=torch.float64), torch.rand(1, 7, dtype=torch.float64)
-    models = _models()
+    models = {"pairs": _models()[:6], "general": _models(),
+              "pairs_after_offset": [[(direction_seed(2, 0, 1, 0), 0.4), *m] for m in _models()[:6]]}[kind]
     usage = {}
     with torch.no_grad(), stacked(table, models, 4, usage):
         out = model(x if shared else x.repeat(len(models), 1), scale)

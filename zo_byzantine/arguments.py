@@ -119,9 +119,14 @@ class ZOByzantineArguments(TrainingArguments):
             doubled activations; checked against two forwards at its first round). `"auto"`: two_forwards when the
             generator draws and adds in one fused pass (the counter generator's CPU kernel: regenerating z costs
             less than reading it back), else cached when the round's directions fit `zo_cache_budget_gb`, else
-            two_forwards.
+            two_forwards. `"auto"` also stacks the 2 nu models of a step into one forward (one matrix product of a
+            shared input with every direction's weights: logistic regression, MLPs) when 2 nu copies of the
+            trainable weights fit the budget and the stacked losses equal the one-at-a-time ones at the first
+            round (equal up to rounding, not bitwise).
         zo_cache_budget_gb (`float`, defaults to 1.0): memory `"auto"` may spend on keeping a round's directions
-            (nu * K * d values) when they are not drawn by a fused kernel; 0 keeps memory at inference level.
+            (nu * K * d values) when they are not drawn by a fused kernel and on stacked models (2 nu * d); with
+            local steps (K > 1), any schedule keeps each client's local model (n * d float32/64 values) within it
+            instead of regenerating its earlier steps at every forward. 0 keeps memory at inference level.
         zo_generator (`str`, defaults to `"counter"`): the direction generator. `"counter"`: a counter-based
             stream, the same bits on every device (CPU or GPU), drawn and added in one fused pass. `"torch"`:
             `torch.randn` per tensor (the stream of runs made before 0.2), drawn on the CPU and copied to the device.
@@ -174,8 +179,9 @@ class ZOByzantineArguments(TrainingArguments):
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
     zo_schedule: ScheduleName = field(
-        default="auto", metadata={"help": "auto (two_forwards with fused draws; else cached within "
-                                          "zo_cache_budget_gb), two_forwards, cached or antithetic."}
+        default="auto", metadata={"help": "auto (two_forwards with fused draws, else cached, within "
+                                          "zo_cache_budget_gb; stacked models where they apply), two_forwards, "
+                                          "cached or antithetic."}
     )
     zo_cache_budget_gb: float = field(
         default=1.0, metadata={"help": "Memory zo_schedule='auto' may spend on keeping a round's directions."}

@@ -210,14 +210,30 @@ def _stack_outputs(outputs: list, rows: int):
     raise TypeError(f"stacked forward cannot join outputs of type {type(first).__name__}")
 
 
-def _linear_all_groups(module: nn.Linear, weights: list[dict], x: torch.Tensor) -> torch.Tensor:
-    """``x [W_1; ...; W_G]^T + [b_1; ...; b_G]`` reshaped group-major: one matrix product for every group's
-    weights when the groups share the input ``x``."""
-    groups = len(weights)
-    weight = torch.cat([w.get("weight", module.weight) for w in weights])  # [G out, in]
-    bias = None if module.bias is None else torch.cat([w.get("bias", module.bias) for w in weights])
-    y = nn.functional.linear(x, weight, bias).unflatten(-1, (groups, module.out_features))
-    return y.movedim(-2, 0).reshape(groups * x.shape[0], *y.shape[1:-2], module.out_features)
+def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], shifted, direction) -> torch.Tensor:
+    """Every group's ``x W_g^T + b_g``, group-major, from one matrix product (the groups share the input ``x``).
+
+    ``shifted(name, terms)``: the parameter ``name`` plus ``sum terms``; ``direction(name, seed)``: its ``z``.
+    When the groups share their terms but one each (the two-point pairs ``+-mu z_r``), by linearity
+    ``y_g = x W_0^T + b_0 + c_g (x Z_{k_g}^T + z^b_{k_g})`` with ``W_0 = W + shared terms``: one product with
+    ``(1 + K) out`` columns (``K`` distinct directions) instead of ``G out``. Else ``x [W_1; ...; W_G]^T``."""
+    count, out = len(groups), module.out_features
+    shared = [t for t in groups[0] if all(t in g for g in groups)]
+    rest = [[t for t in g if t not in shared] for g in groups]
+    if all(len(r) <= 1 for r in rest):
+        seeds = list(dict.fromkeys(r[0][0] for r in rest if r))
+        weight = torch.cat([shifted("weight", shared), *[direction("weight", s) for s in seeds]])
+        bias = None if module.bias is None else torch.cat([shifted("bias", shared),
+                                                             *[direction("bias", s) for s in seeds]])
+        y = nn.functional.linear(x, weight, bias).unflatten(-1, (1 + len(seeds), out)).movedim(-2, 0)
+        which = torch.tensor([1 + seeds.index(r[0][0]) if r else 0 for r in rest], device=y.device)
+        coeff = torch.tensor([r[0][1] if r else 0.0 for r in rest], dtype=y.dtype, device=y.device)
+        stacked_y = y[0] + coeff.view(-1, *[1] * (y.dim() - 1)) * y[which]
+    else:
+        weight = torch.cat([shifted("weight", terms) for terms in groups])  # [G out, in]
+        bias = None if module.bias is None else torch.cat([shifted("bias", terms) for terms in groups])
+        stacked_y = nn.functional.linear(x, weight, bias).unflatten(-1, (count, out)).movedim(-2, 0)
+    return stacked_y.reshape(count * x.shape[0], *stacked_y.shape[2:])
 
 
 @contextlib.contextmanager
@@ -247,9 +263,22 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
             for _, index in owned:
                 table.reached.add(index)
 
+            cache_of = {name: (index, tied if index in table.tied else kept) for name, index in owned}
+
+            def shifted(name: str, terms: Terms) -> torch.Tensor:
+                if name not in cache_of:  # a frozen parameter of the module
+                    return getattr(module, name)
+                index, cache = cache_of[name]
+                return directions.perturb(originals[name], index, terms, cache)
+
+            def drawn(name: str, seed: int) -> torch.Tensor:
+                if name not in cache_of:
+                    return torch.zeros_like(getattr(module, name))
+                index, cache = cache_of[name]
+                return directions.total(originals[name], index, [(seed, 1.0)], cache)
+
             def weights(g: int) -> dict:
-                return {name: directions.perturb(originals[name], index, groups[g],
-                                                 tied if index in table.tied else kept) for name, index in owned}
+                return {name: shifted(name, groups[g]) for name, _ in owned}
 
             def run(g: int, call_args, call_kwargs):
                 module._parameters.update(weights(g))
@@ -273,7 +302,7 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                         and torch.is_tensor(args[0]) and args[0].dim() > 1 and args[0].shape[0] == rows):
                     if usage is not None:
                         usage["shared_products"] = usage.get("shared_products", 0) + 1
-                    return _linear_all_groups(module, [weights(g) for g in range(count)], args[0])
+                    return _linear_all_groups(module, args[0], groups, shifted, drawn)
                 return _stack_outputs([run(g, args, kwargs) for g in range(count)], rows)
             finally:
                 module._parameters.update(originals)
