@@ -199,8 +199,11 @@ class BatchedClients:
         if shared and self.schedule.stack is None:
             self.schedule.stack = False  # unless the check below passes
             reference = self._one_at_a_time(offsets, seeds, mu)
-            self.schedule.stack = self.check_stacking(offsets[0], seeds[0], mu, reference)
-            return reference
+            candidate = self.checked_stacking(offsets[0], seeds[0], mu, reference)
+            self.schedule.stack = candidate is not None
+            # the checking round returns what every later round will compute, so that a run resumed after it
+            # (which checks at another round) follows the same trajectory bitwise
+            return reference if candidate is None else candidate
         if shared and self.schedule.stack:
             return self.stacked_pairs(offsets[0], seeds[0], mu)
         return self._one_at_a_time(offsets, seeds, mu)
@@ -237,26 +240,26 @@ class BatchedClients:
         with stacked(self.table, models, rows, usage), self.context():
             return self.forward(self.model, inputs)
 
-    def check_stacking(self, offset: Terms, seeds: list[int], mu: float, reference) -> bool:
-        """Whether stacked forwards fit the budget, make a shared matrix product (else they would only split
-        each module's forward, which costs more than it saves) and give ``reference`` (the one-at-a-time
-        losses)."""
+    def checked_stacking(self, offset: Terms, seeds: list[int], mu: float, reference) -> tuple | None:
+        """The stacked losses if stacked forwards fit the budget, make a shared matrix product (else they would
+        only split each module's forward, which costs more than it saves) and give ``reference`` (the
+        one-at-a-time losses); else ``None``."""
         if not self.schedule._fits(self.table, 2 * len(seeds)):
-            return False
+            return None
         usage: dict = {}
         try:  # a probe first: two unperturbed models (nothing drawn) on one example
             self._stacked_forward(_slice(self.inputs, 0, 1, _rows(self.inputs)), [[], []], usage)
             if not usage.get("shared_products"):
                 logger.info("zo_schedule='auto': stacked directions not used (no shared matrix product).")
-                return False
+                return None
             candidate = self.stacked_pairs(offset, seeds, mu)
         except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
             logger.info("zo_schedule='auto': stacked directions not used (%s: %s).", type(err).__name__, err)
-            return False
+            return None
         agrees = all(torch.allclose(c, r, rtol=1e-4, atol=1e-6) for c, r in zip(candidate, reference, strict=True))
         logger.info("zo_schedule='auto': stacked directions %s.", "used" if agrees else
                     "not used (they do not give the one-at-a-time losses)")
-        return agrees
+        return candidate if agrees else None
 
     def loss_pair(self, offsets: list, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses at ``w_i + offset_i +- mu z_i`` with the run's schedule."""
