@@ -206,6 +206,12 @@ def _check_round(entry, path: str, index: int) -> None:
         raise LedgerError(f"{path}: {len(coefficients)} coefficients for {len(seeds)} seed tuples")
 
 
+def check_round(entry, index: int) -> None:
+    """Schema of one round entry at position ``index`` (the file's rules: types, finite numbers, ``round == index``,
+    as many coefficients as seed tuples); raises :class:`LedgerError` naming the field."""
+    _check_round(entry, f"rounds[{index}]", index)
+
+
 def _check_rounds(rounds, path: str = "rounds") -> None:
     _list(rounds, path)
     for i, entry in enumerate(rounds):
@@ -422,9 +428,11 @@ def _flat(value) -> bool:
 def _layout(value, indent: int, room: int, lines: list[str], head: str, tail: str) -> None:
     """Append the lines of ``head + value + tail`` at ``indent``: on one line when it fits in ``room``; else a
     list of scalars or of lists of scalars (coefficients, seed tuples, participants) as many items per line as
-    fit, other containers one item per line, indented."""
+    fit, other containers one item per line, indented. A scalar (a long ``skipped`` reason) stays on one line."""
     pad = " " * indent
     text = _inline(value, room - indent - len(head) - len(tail))
+    if text is None and not isinstance(value, dict | list):
+        text = _inline(value, 1 << 62)
     if text is not None:
         lines.append(pad + head + text + tail)
         return
@@ -646,6 +654,27 @@ class Ledger:
         return Ledger.loads(raw, key=key, max_bytes=max_bytes, source=repr(path))
 
 
+def apply_round(optimizer: ZOOptimizer, entry: dict) -> None:
+    """Apply one checked ledger round to ``optimizer``'s parameters: ``w <- w - lr (sum_k c_k z_k + wd w)`` (with
+    the optimizer's server rule); nothing for a skipped round. The one update path of replay and of a deployment's
+    catch-up. Raises :class:`LedgerError` when the update would overflow the weights' dtype (before any write) or
+    cannot be applied."""
+    if entry.get("skipped"):
+        return
+    table = optimizer.table
+    if not update_fits(table.params, entry["lr"], sum(abs(c) for c in entry["coefficients"])):
+        raise LedgerError(f"Round {entry['round']}: its update would overflow the weights' dtype (the "
+                          "training server skips such rounds; this ledger was not written by it).")
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = entry["lr"]
+        seeds = [direction_seed(*s) for s in entry["seeds"]]
+        optimizer.stage(list(zip(seeds, entry["coefficients"], strict=True)))
+        optimizer.step()
+    except (ValueError, TypeError, RuntimeError, OverflowError) as err:
+        raise LedgerError(f"Round {entry['round']} could not be applied: {err}") from err
+
+
 def replay(
     model: nn.Module, ledger: dict | str | os.PathLike | Ledger, key: bytes | None = None, max_bytes: int = MAX_BYTES
 ) -> nn.Module:
@@ -705,19 +734,7 @@ def replay(
     start = [p.detach().clone() for p in table.params]  # a refused replay leaves the model as it was
     try:
         for entry in data["rounds"]:
-            if entry.get("skipped"):
-                continue
-            if not update_fits(table.params, entry["lr"], sum(abs(c) for c in entry["coefficients"])):
-                raise LedgerError(f"Round {entry['round']}: its update would overflow the weights' dtype (the "
-                                  "training server skips such rounds; this ledger was not written by it).")
-            try:
-                for group in optimizer.param_groups:
-                    group["lr"] = entry["lr"]
-                seeds = [direction_seed(*s) for s in entry["seeds"]]
-                optimizer.stage(list(zip(seeds, entry["coefficients"], strict=True)))
-                optimizer.step()
-            except (ValueError, TypeError, RuntimeError, OverflowError) as err:
-                raise LedgerError(f"Round {entry['round']} could not be applied: {err}") from err
+            apply_round(optimizer, entry)
         if not all(bool(torch.isfinite(p).all()) for p in table.params):
             raise LedgerError("The replayed weights are not finite: the ledger's updates overflow the weights.")
     except LedgerError:

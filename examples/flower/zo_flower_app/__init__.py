@@ -1,0 +1,1 @@
+"""A Flower App running zo_byzantine's federated zeroth-order, Byzantine-robust fine-tuning."""

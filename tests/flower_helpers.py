@@ -1,0 +1,326 @@
+"""In-process stand-ins for a Flower deployment: a grid that hands each message to a node's ClientApp (real Flower
+``Message``/``Context`` objects, each node with its own persistent ``Context.state``), and the example app's task."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_APP = os.path.join(ROOT, "examples", "flower")
+if EXAMPLE_APP not in sys.path:
+    sys.path.insert(0, EXAMPLE_APP)  # the example app's package (zo_flower_app), as a SuperNode installs it
+
+RUN_ID, SERVER_NODE = 1, 0
+
+
+def run_config(**overrides) -> dict:
+    """The tests' run config: the example's ``vectors`` task, 3 clients of 4 examples, CWTM with f = 1 (keys of the
+    example app's run config only: ``flwr run --run-config`` refuses others)."""
+    config = {
+        "task": "zo_flower_app.task:vectors", "rounds": 3, "round-timeout": 30.0, "startup-timeout": 60.0,
+        "min-nodes": 3, "output-dir": "", "num_clients": 3, "clients_per_round": 3, "num_byzantine": 1,
+        "aggregator": "cwtm", "per_device_train_batch_size": 4, "num_perturbations": 2, "learning_rate": 0.05,
+        "zo_seed": 7, "task-examples": 96,
+    }
+    config.update(overrides)
+    return config
+
+
+class LoopbackGrid:
+    """``get_node_ids`` / ``send_and_receive`` over in-process nodes: ``nodes`` maps node id -> node config.
+
+    ``tamper(reply, message) -> list[Message]`` may replace each reply (a hostile node); ``down``: node ids that
+    are connected but never answer; ``delays``: node id -> seconds its reply takes (replies later than the
+    ``timeout`` given to ``send_and_receive`` are dropped, as the deadline does; no time actually passes).
+    """
+
+    def __init__(self, config: dict, nodes: dict[int, dict], tamper=None, delays: dict[int, float] | None = None):
+        from zo_byzantine.flower import client_app
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SERVER_NODE, 1
+        self.config, self.app, self.tamper = config, client_app(), tamper
+        self.nodes = dict(nodes)
+        self.states = {node: RecordDict() for node in nodes}
+        self.down: set[int] = set()
+        self.delays = dict(delays or {})
+        self.sent: list[Message] = []
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            late = timeout is not None and self.delays.get(node, 0.0) > timeout
+            if node in self.down or node not in self.nodes or late:
+                continue
+            context = Context(RUN_ID, node, self.nodes[node], self.states[node], self.config)
+            try:
+                reply = self.app(message, context)
+            except Exception as err:  # as a SuperNode does: the ClientApp's exception becomes an error reply
+                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+            replies += self.tamper(reply, message) if self.tamper else [reply]
+        return replies
+
+
+# ----- a real deployment on loopback: SuperLink and SuperNodes as subprocesses ------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+class LocalDeployment:
+    """``flower-superlink --insecure`` (or with TLS: ``certificates`` from :func:`make_certificates`) and SuperNodes
+    on free loopback ports, in ``root``; every process in its own process group, stopped (TERM, then KILL) by
+    :meth:`stop`. Use as a context manager."""
+
+    def __init__(self, root, certificates: dict | None = None):
+        import shutil
+
+        self.root = str(root)
+        self.home = os.path.join(self.root, "flwr_home")
+        os.makedirs(self.home, exist_ok=True)
+        self.port = free_port()
+        self.certificates = certificates
+        security = f'root-certificates = "{certificates["ca.crt"]}"' if certificates else "insecure = true"
+        with open(os.path.join(self.home, "config.toml"), "w") as f:
+            f.write(f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n'
+                    f"{security}\n")
+        self.env = {**os.environ, "FLWR_HOME": self.home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        self.bin = os.path.dirname(sys.executable)
+        self.processes: dict[str, object] = {}
+        self.logs: dict[str, str] = {}
+        assert shutil.which("flower-superlink", path=self.bin), "flwr is not installed in this environment"
+
+    def _start(self, name: str, argv: list[str]):
+        import subprocess
+
+        log = os.path.join(self.root, f"{name}.log")
+        self.logs[name] = log
+        with open(log, "wb") as out:
+            self.processes[name] = subprocess.Popen([os.path.join(self.bin, argv[0]), *argv[1:]], cwd=self.root,
+                                                    env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+
+    def start_superlink(self, timeout: float = 60.0, supernode_auth: bool = False) -> None:
+        """Start it and wait until it listens; ``supernode_auth``: only SuperNodes whose public key was registered
+        (:meth:`register`) may connect (needs TLS)."""
+        import socket
+        import time
+
+        c = self.certificates
+        security = ["--ssl-ca-certfile", c["ca.crt"], "--ssl-certfile", c["server.pem"], "--ssl-keyfile",
+                    c["server.key"]] if c else ["--insecure"]
+        self._start("superlink", ["flower-superlink", *security, "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation",
+                                  *(["--enable-supernode-auth"] if supernode_auth else [])])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if self.processes["superlink"].poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"the SuperLink did not start: {self.tail('superlink')}")
+
+    def start_supernode(self, name: str, node_config: dict, private_key: str | None = None) -> None:
+        config = " ".join(f"{k}={_toml_value(v)}" for k, v in node_config.items())
+        security = ["--root-certificates", self.certificates["ca.crt"]] if self.certificates else ["--insecure"]
+        key = ["--auth-supernode-private-key", private_key] if private_key else []
+        self._start(name, ["flower-supernode", *security, *key, "--superlink", f"127.0.0.1:{self.port}",
+                           "--port", str(free_port()), "--node-config", config])
+
+    def register(self, public_key: str):
+        """``flwr supernode register <public_key> loopback``: the SuperLink then accepts that SuperNode."""
+        import subprocess
+
+        return subprocess.run([os.path.join(self.bin, "flwr"), "supernode", "register", public_key, "loopback"],
+                              cwd=self.root, env=self.env, capture_output=True, text=True, timeout=60)
+
+    def stop_process(self, name: str, grace: float = 10.0) -> None:
+        import signal
+        import subprocess
+
+        process = self.processes.pop(name, None)
+        if process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children left in the group (SuperExec, ClientApp processes)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _run_argv(self, app_dir: str, config: dict) -> list[str]:
+        overrides = " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
+        return [os.path.join(self.bin, "flwr"), "run", app_dir, "loopback", "--stream", "--run-config", overrides]
+
+    def run(self, app_dir: str, config: dict, timeout: float):
+        """``flwr run <app_dir> loopback --stream`` with ``config`` as run-config overrides; returns the
+        CompletedProcess (raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        import subprocess
+
+        return subprocess.run(self._run_argv(app_dir, config), cwd=self.root, env=self.env, capture_output=True,
+                              text=True, timeout=timeout, start_new_session=True)
+
+    def start_run(self, app_dir: str, config: dict) -> None:
+        """:meth:`run` in the background (process ``"run"``, stopped with the others)."""
+        self._start("run", ["flwr", *self._run_argv(app_dir, config)[1:]])
+
+    def tail(self, name: str, chars: int = 3000) -> str:
+        with open(self.logs[name], errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self) -> None:
+        for name in [n for n in self.processes if n != "superlink"] + ["superlink"]:
+            self.stop_process(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# ----- the reference: the same run in one process ---------------------------------------------------------------
+
+
+def trainer_ledger(config: dict, output_dir, attack: str = "none"):
+    """The ledger ``ZOByzantineTrainer`` writes for the run config ``config`` (the same checked arguments, task,
+    model and data as the deployment), with ``attack`` (``name:key=value``) played by the first ``num_byzantine``
+    clients; and the trained model."""
+    from zo_byzantine import ZOByzantineTrainer, build_attack
+    from zo_byzantine.aggregators import parse_step
+    from zo_byzantine.flower import read_run_config
+    from zo_byzantine.flower.config import build_task
+
+    deployment = read_run_config(config, output_dir=str(output_dir))
+    task = build_task(deployment, config)
+    args = deployment.args
+    args.save_strategy, args.disable_tqdm, args.logging_steps = "no", True, 1
+    name, kwargs = parse_step(attack)
+    trainer = ZOByzantineTrainer(model=task.model, args=args, train_dataset=task.train_dataset,
+                                 data_collator=task.data_collator, attack=build_attack(name, **kwargs))
+    trainer.train()
+    return trainer.ledger, task.model
+
+
+def scalar_tolerance(mu: float, loss_scale: float = 10.0) -> float:
+    """How far a deployment's coefficient may be from the simulation's. A node evaluates its own examples in its own
+    forward; the simulation evaluates all participants in one batched forward. Reductions may then be ordered
+    differently, so a float32 loss may differ by a few ulps (eps32 * |L|, with |L| <= ``loss_scale``), and a
+    two-point scalar ``(L+ - L-) / (2 mu)`` by ``8 eps32 |L| / (2 mu)``; a rule of such scalars by as much."""
+    import torch
+
+    return 8 * torch.finfo(torch.float32).eps * loss_scale / (2 * mu)
+
+
+def weight_tolerance(config: dict, mu: float) -> float:
+    """How far weights replayed from a deployment's ledger may be from the simulation's: each round moves them by
+    ``lr sum_k c_k z_k``; with every coefficient within :func:`scalar_tolerance` and ``|z| <= 6`` (Gaussian), by
+    at most ``rounds x lr x (K nu terms) x tolerance x 6``."""
+    terms = config["num_perturbations"] * config.get("local_steps", 1)
+    return config["rounds"] * config["learning_rate"] * terms * scalar_tolerance(mu) * 6
+
+
+def assert_same_rounds(deployed: list[dict], reference: list[dict], mu: float) -> None:
+    """Same rounds: seed tuples, participants, learning rate and skipping equal; coefficients within
+    :func:`scalar_tolerance` (the honest ``loss`` is not compared: the simulation knows who is Byzantine)."""
+    tolerance = scalar_tolerance(mu)
+    assert len(deployed) == len(reference)
+    for ours, theirs in zip(deployed, reference, strict=True):
+        for key in ("round", "seeds", "participants", "lr", "skipped"):
+            assert ours.get(key) == theirs.get(key), (key, ours, theirs)
+        assert len(ours["coefficients"]) == len(theirs["coefficients"])
+        for a, b in zip(ours["coefficients"], theirs["coefficients"], strict=True):
+            assert abs(a - b) <= tolerance, (ours["round"], a, b, tolerance)
+
+
+# ----- TLS and SuperNode authentication, made on loopback ---------------------------------------------------------
+
+
+def make_certificates(directory) -> dict[str, str]:
+    """A self-signed CA and a server certificate it signs for 127.0.0.1 / localhost (valid one day): paths of
+    ``ca.crt``, ``server.pem``, ``server.key``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    paths = {name: os.path.join(str(directory), name) for name in ("ca.crt", "server.pem", "server.key")}
+
+    def certificate(subject, issuer, key, signer, ca: bool, names=None):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "zo_byzantine test CA")])
+    server_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    ca = certificate(ca_name, ca_name, ca_key, ca_key, True)
+    server = certificate(server_name, ca_name, server_key, ca_key, False,
+                         [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    with open(paths["ca.crt"], "wb") as f:
+        f.write(ca.public_bytes(serialization.Encoding.PEM))
+    with open(paths["server.pem"], "wb") as f:
+        f.write(server.public_bytes(serialization.Encoding.PEM))
+    with open(paths["server.key"], "wb") as f:
+        f.write(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+    return paths
+
+
+def make_node_keys(directory, name: str) -> tuple[str, str]:
+    """An EC (P-384) key pair in OpenSSH formats for SuperNode authentication: (private, public) paths."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = os.path.join(str(directory), name), os.path.join(str(directory), f"{name}.pub")
+    with open(private, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                  serialization.NoEncryption()))
+    with open(public, "wb") as f:
+        f.write(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    return private, public

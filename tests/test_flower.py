@@ -1,0 +1,468 @@
+"""The Flower deployment's roles in one process (real Flower messages, a loopback grid): the same ledger as the
+Trainer, strict parsing of every record, hostile replies rejected or sanitised and logged, deadlines and too-few
+replies, catch-up from the ledger, refused plans, configuration errors."""
+
+import math
+
+import pytest
+import torch
+from flower_helpers import LoopbackGrid, assert_same_rounds, run_config, trainer_ledger
+
+from zo_byzantine import Ledger, replay
+from zo_byzantine.flower import (
+    Coordinator,
+    PlanRefused,
+    Replica,
+    WireError,
+    answer,
+    plan_content,
+    read_node_config,
+    read_plan,
+    read_reply,
+    read_run_config,
+    report_content,
+)
+from zo_byzantine.flower.config import build_task
+from zo_byzantine.flower.wire import REPORT, catch_up_content
+
+pytest.importorskip("flwr")
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+
+
+def nodes(n: int, **extra) -> dict:
+    """Node id 100 + c -> node config of client c (``extra``: client -> more node config)."""
+    return {100 + c: {"partition-id": c, "num-partitions": n, **extra.get(str(c), {})} for c in range(n)}
+
+
+def coordinator(config: dict) -> Coordinator:
+    deployment = read_run_config(config)
+    return Coordinator(deployment, build_task(deployment, config))
+
+
+# ----- equivalence with the simulation -------------------------------------------------------------------------
+
+CASES = {
+    "cwtm, gaussian node": (dict(), {"0": {"attack": "gaussian"}}, "gaussian"),
+    "mean, sampled clients, 2 local steps": (
+        dict(num_clients=4, clients_per_round=3, num_byzantine=0, aggregator="mean", local_steps=2,
+             **{"min-nodes": 4}), {}, "none"),
+    "per-client directions (FedES), unequal partitions": (
+        dict(num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean", directions="per_client",
+             **{"min-nodes": 4, "task-examples": 90}), {}, "none"),
+    "cwtm, label-flipping node": (
+        dict(num_clients=4, clients_per_round=4, **{"min-nodes": 4, "task-examples": 90}),
+        {"0": {"attack": "lf:num_classes=2"}}, "lf:num_classes=2"),
+    "median, nonfinite node, compressed": (
+        dict(num_clients=4, clients_per_round=4, aggregator="median", local_steps=2, local_update="compressed",
+             **{"min-nodes": 4}), {"0": {"attack": "nonfinite"}}, "nonfinite"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deployment_writes_the_trainers_ledger(tmp_path, case):
+    overrides, node_extra, attack = CASES[case]
+    config = run_config(rounds=3, **overrides)
+    coord = coordinator(config)
+    coord.run(LoopbackGrid(config, nodes(config["num_clients"], **node_extra)))
+    reference, _ = trainer_ledger(config, tmp_path, attack=attack)
+    assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
+    assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+    # the server's replica is the ledger's replay from the start weights, bitwise
+    model = build_task(read_run_config(config), config).model
+    replay(model, coord.ledger)
+    for ours, replayed in zip(coord.replica.table.params, model.parameters(), strict=True):
+        assert torch.equal(ours, replayed)
+    if attack == "nonfinite":  # the Byzantine node's NaNs were sanitised and counted, as in the simulation
+        assert [r["nonfinite"] for r in coord.rounds_log] == [config["num_perturbations"]] * 3
+
+
+# ----- the wire format ------------------------------------------------------------------------------------------
+
+
+def _plan_and_entries(rounds: int = 2, **overrides):
+    config = run_config(rounds=rounds, **overrides)
+    coord = coordinator(config)
+    coord.run(LoopbackGrid(config, nodes(config["num_clients"])))
+    plan = coord.server.plan(rounds, coord.sampler.participants(rounds), 0.05)
+    return coord, plan
+
+
+@pytest.mark.parametrize("directions", ["shared", "per_client"])
+def test_plan_message_round_trip(directions):
+    overrides = {} if directions == "shared" else dict(directions="per_client", aggregator="mean", num_byzantine=0)
+    coord, plan = _plan_and_entries(**overrides)
+    content = plan_content(plan, 0, coord.ledger.rounds, coord.replica.start, coord.replica.fingerprint())
+    message = read_plan(content)
+    assert message.plan == plan and message.since == 0
+    assert message.start == coord.replica.start and message.weights == coord.replica.fingerprint()
+    for ours, theirs in zip(message.entries, coord.ledger.rounds, strict=True):
+        assert {k: ours[k] for k in ("round", "lr", "seeds", "coefficients")} == \
+            {k: theirs[k] for k in ("round", "lr", "seeds", "coefficients")}
+    assert len(message.entries[0]["seeds"][0]) == (4 if directions == "shared" else 5)
+    later = read_plan(plan_content(plan, 1, coord.ledger.rounds[1:], coord.replica.start, "x"))
+    assert later.since == 1 and [e["round"] for e in later.entries] == [1]
+
+
+def _corrupt(content, key, value):
+    record = content["plan"]
+    record[key] = value
+    return content
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("round", 2.0, "plan.round: expected int"),
+    ("round", True, "plan.round: expected int"),
+    ("seeds", [1, 2, 3], "plan.seeds: expected 16 values, got 3"),  # (K + 1) x nu x 4
+    ("coefficients", [0.5] * 3, "plan.coefficients: expected 4 values"),
+    ("since", 7, r"plan.since: expected an int in \[0, 3\)"),
+    ("local_update", "sideways", "plan.local_update: expected one of"),
+    ("lr", [0.05, math.nan], r"ledger entry 1: .*lr: expected a finite number"),
+    ("participants", [0, 0, 1], "listed twice"),
+])
+def test_plan_parsing_is_strict(key, value, match):
+    coord, plan = _plan_and_entries()
+    content = plan_content(plan, 0, coord.ledger.rounds, coord.replica.start, coord.replica.fingerprint())
+    with pytest.raises(WireError, match=match):
+        read_plan(_corrupt(content, key, value))
+    content = plan_content(plan, 0, coord.ledger.rounds, coord.replica.start, coord.replica.fingerprint())
+    content["plan"]["extra"] = 1
+    with pytest.raises(WireError, match=r"unknown key\(s\) \['extra'\]"):
+        read_plan(content)
+
+
+def _report(**values) -> RecordDict:
+    record = {"round": 3, "client": 1, "applied": 3, "scalars": [0.5, -0.25], "loss": 0.7, "num_examples": 10}
+    record.update(values)
+    return RecordDict({REPORT: MetricRecord(record)})
+
+
+def test_report_round_trip_and_catch_up_request():
+    from zo_byzantine import Report
+
+    report = Report(3, 1, torch.tensor([[0.5, -0.25]], dtype=torch.float64), 0.7, 10)
+    parsed = read_reply(report_content(report, 3), (1, 2), 3)
+    assert parsed.applied == 3 and parsed.report.client == 1 and parsed.report.round == 3
+    assert torch.equal(parsed.report.scalars, report.scalars) and parsed.report.num_examples == 10
+    request = read_reply(catch_up_content(3, 1, 0), (1, 2), 3)
+    assert request.report is None and request.applied == 0 and request.client == 1
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    (_report(scalars=[1, 2]), "report.scalars: expected a list of float"),
+    (_report(scalars=[0.5] * 3), "report.scalars: expected 2 values, got 3"),
+    (_report(scalars=[0.0] * 10**6), "report.scalars: expected 2 values, got 1000000"),
+    (_report(client=1.0), "report.client: expected int"),
+    (_report(num_examples=0), r"report.num_examples: expected an int in \[1, "),
+    (_report(applied=4), r"report.applied: expected an int in \[0, 4\)"),
+    (_report(loss=1), "report.loss: expected float"),
+    (_report(extra=1.0), r"unknown key\(s\) \['extra'\]"),
+    (RecordDict({REPORT: ConfigRecord({"round": 3})}), "reply.report: expected a MetricRecord"),
+    (RecordDict({REPORT: MetricRecord({"round": 3}), "more": MetricRecord({})}), "exactly one record 'report'"),
+    ("not a record", "reply: expected a RecordDict"),
+])
+def test_reply_parsing_is_strict(content, match):
+    with pytest.raises(WireError, match=match):
+        read_reply(content, (1, 2), 3)
+
+
+# ----- hostile replies ------------------------------------------------------------------------------------------
+
+HOSTILE = run_config(rounds=2, num_clients=5, clients_per_round=4, **{"min-nodes": 5})
+
+
+def _forged(message, content) -> Message:
+    return Message(content, reply_to=message)
+
+
+def _reply_values(reply) -> dict:
+    return dict(reply.content[REPORT])
+
+
+def _hostile_cases(victim: int, outsider_node: int):
+    """name -> (tamper(reply, message) -> replies, rejected, nonfinite, victim's report kept)"""
+
+    def edit(**values):
+        return lambda reply, message: [_forged(message, _report(**{**_reply_values(reply), **values}))]
+
+    def outsider(reply, message):  # the unsampled node answers too, with a well-formed report of its own
+        fake = Message(RecordDict({}), message_type="train", dst_node_id=outsider_node)
+        values = {**_reply_values(reply), "client": outsider_node - 100}
+        return [reply, _forged(fake, _report(**values))]
+
+    return {
+        "non-participant": (outsider, 1, 0, True),
+        "duplicate": (lambda reply, message: [reply, _forged(message, _report(**{
+            **_reply_values(reply), "scalars": [1e6, -1e6]}))], 1, 0, True),
+        "stale round": (edit(round=0), 1, 0, False),
+        "wrong length": (edit(scalars=[0.1, 0.2, 0.3]), 1, 0, False),
+        "oversized payload": (edit(scalars=[0.1] * 200_000), 1, 0, False),
+        "wrong types": (edit(scalars=[1, 2]), 1, 0, False),
+        "impersonation": (edit(client=int(victim + 1) % 5), 1, 0, False),
+        "nan and inf": (edit(scalars=[math.nan, -math.inf]), 0, 2, True),
+        "error reply": (lambda reply, message: [Message(Error(code=0, reason="boom"), reply_to=message)],
+                        1, 0, False),
+        "no record": (lambda reply, message: [_forged(message, RecordDict({}))], 1, 0, False),
+    }
+
+
+@pytest.mark.parametrize("case", ["non-participant", "duplicate", "stale round", "wrong length", "oversized payload",
+                                  "wrong types", "impersonation", "nan and inf", "error reply", "no record"])
+def test_hostile_reply_is_rejected_or_sanitised_and_logged(case, caplog):
+    clean = coordinator(HOSTILE)
+    clean.run(LoopbackGrid(HOSTILE, nodes(5)))
+    participants = list(clean.sampler.participants(1))
+    victim = int(participants[0])
+    outsider = next(c for c in range(5) if c not in participants)
+    tamper, rejected, nonfinite, kept = _hostile_cases(victim, 100 + outsider)[case]
+    state = {}
+
+    def hostile(reply, message):
+        if message.metadata.message_type != "train" or message.metadata.dst_node_id != 100 + victim:
+            return [reply]
+        if read_plan(message.content).plan.round != 1:
+            return [reply]
+        state["hit"] = True
+        return tamper(reply, message)
+
+    coord = coordinator(HOSTILE)
+    coord.run(LoopbackGrid(HOSTILE, nodes(5), tamper=hostile))
+    entry = coord.rounds_log[1]
+    assert state["hit"] and entry["skipped"] is None  # never a crash; the round is applied
+    assert entry["rejected"] == rejected and entry["nonfinite"] == nonfinite, entry
+    assert (victim in entry["accepted"]) == kept and len(entry["accepted"]) == 3 + kept
+    if rejected:
+        assert "Round 1: node" in caplog.text and "reply rejected" in caplog.text or \
+            "Round 1: report rejected" in caplog.text  # wire-level (coordinator) or protocol-level (Server.accept)
+    if case in ("non-participant", "duplicate"):  # the genuine report alone entered: the clean run's round
+        assert coord.ledger.rounds[1]["coefficients"] == clean.ledger.rounds[1]["coefficients"]
+    else:
+        assert coord.ledger.rounds[1]["coefficients"] != clean.ledger.rounds[1]["coefficients"]
+
+
+# ----- deadline, too few replies, catch-up ----------------------------------------------------------------------
+
+
+def test_late_and_missing_replies_are_left_out_and_too_few_skip_the_round(caplog):
+    config = run_config(rounds=2, **{"round-timeout": 5.0})
+    coord = coordinator(config)
+    grid = LoopbackGrid(config, nodes(3), delays={102: 1.0})
+    coord.register(grid)
+    coord.round(grid, 0)  # all in time: applied
+    grid.delays[102] = 60.0  # past the deadline: CWTM (f = 1) cannot hold for 2 reports
+    start = [p.detach().clone() for p in coord.replica.table.params]
+    entry = coord.round(grid, 1)
+    assert entry["accepted"] == [0, 1] and entry["received"] == 2
+    assert entry["skipped"].startswith("2 reports are too few for the rule")
+    assert coord.ledger.rounds[1]["skipped"] == entry["skipped"] and coord.ledger.rounds[1]["coefficients"] == []
+    assert all(torch.equal(a, b) for a, b in zip(start, coord.replica.table.params, strict=True))
+    assert "Round 1 skipped (2 reports are too few" in caplog.text
+
+
+def _node_weights(grid, node) -> list[torch.Tensor]:
+    kept = grid.states[node]["zo_weights"].to_torch_state_dict()
+    return list(kept.values())
+
+
+def _replayed(config, ledger, rounds: int) -> list[torch.Tensor]:
+    data = ledger.to_dict()
+    data["rounds"] = data["rounds"][:rounds]
+    model = build_task(read_run_config(config), config).model
+    replay(model, Ledger.loads(_dumps(data)))
+    return [p.detach() for p in model.parameters()]
+
+
+def _dumps(data) -> str:
+    from zo_byzantine.ledger import _digest, dumps
+
+    data = {k: v for k, v in data.items() if k != "digest"}
+    data["digest"] = _digest(data)
+    return dumps(data)
+
+
+def test_a_node_back_after_missed_rounds_catches_up_from_the_ledger():
+    config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
+    coord = coordinator(config)
+    grid = LoopbackGrid(config, nodes(4))
+    coord.register(grid)
+    assert coord.round(grid, 0)["accepted"] == [0, 1, 2, 3]
+    grid.down = {103}  # connected, silent: rounds 1 and 2 go on with 3 reports (CWTM, f = 1)
+    for t in (1, 2):
+        assert coord.round(grid, t)["accepted"] == [0, 1, 2]
+    grid.down = set()
+    assert coord.round(grid, 3)["accepted"] == [0, 1, 2, 3]
+    sent = [read_plan(m.content) for m in grid.sent if m.metadata.dst_node_id == 103 and
+            m.metadata.message_type == "train"]
+    # its reply to round 0 said it had applied no round: each later plan brings rounds 0..t-1 (the downlink of a
+    # round travels with the next plan; no weights on the wire); it applies them when it answers round 3
+    assert [(m.plan.round, m.since, len(m.entries)) for m in sent] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3)]
+    # the node's weights after catching up are the server's replay of rounds 0..2, bitwise
+    assert all(torch.equal(a, b) for a, b in zip(_node_weights(grid, 103), _replayed(config, coord.ledger, 3),
+                                                 strict=True))
+    assert grid.states[103]["zo_progress"]["applied"] == 3
+
+
+def test_a_restarted_node_catches_up_and_one_that_lost_its_state_asks_for_it():
+    config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
+    coord = coordinator(config)
+    grid = LoopbackGrid(config, nodes(4))
+    coord.register(grid)
+    for t in range(2):
+        coord.round(grid, t)
+    # node 101 restarts as a new SuperNode (new node id, empty state); the old one is gone
+    grid.nodes[201] = grid.nodes.pop(101)
+    grid.states[201] = RecordDict()
+    # node 102 keeps its id but lost its state: the server believes it has applied rounds 0, 1
+    grid.states[102] = RecordDict()
+    entry = coord.round(grid, 2)  # 201 registers (a query beside the plans); 102 asks to catch up
+    assert coord.clients[201] == 1 and 101 not in coord.clients
+    assert entry["catch_up"] == [2] and entry["accepted"] == [0, 3]
+    assert "client 1: no connected node" in entry["problems"]
+    entry = coord.round(grid, 3)
+    assert entry["accepted"] == [0, 1, 2, 3] and entry["catch_up"] == []
+    # both replayed rounds 0..2 from the ledger entries of their plan: the server's replay, bitwise
+    for node in (201, 102):
+        assert grid.states[node]["zo_progress"]["applied"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(_node_weights(grid, node), _replayed(config, coord.ledger, 3),
+                                                     strict=True))
+
+
+def test_a_node_out_of_sync_refuses_then_starts_over():
+    config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
+    coord = coordinator(config)
+    grid = LoopbackGrid(config, nodes(4))
+    coord.register(grid)
+    coord.round(grid, 0)
+    coord.round(grid, 1)
+    kept = grid.states[101]["zo_weights"]
+    weights = {k: v + 1e-3 for k, v in kept.to_torch_state_dict().items()}  # its weights drifted
+    from flwr.app import ArrayRecord
+
+    grid.states[101]["zo_weights"] = ArrayRecord(weights)
+    entry = coord.round(grid, 2)
+    assert 1 not in entry["accepted"] and any("weights differ from the server's" in p for p in entry["problems"])
+    assert "zo_weights" not in grid.states[101]
+    assert coord.round(grid, 3)["catch_up"] == [1]  # it starts over: asks for every round
+    assert coord.applied[101] == 0
+
+
+# ----- refused plans and configuration --------------------------------------------------------------------------
+
+
+def _node_inputs(config):
+    deployment = read_run_config(config)
+    coord = coordinator(config)
+    plan = coord.server.plan(0, coord.sampler.participants(0), 0.05)
+    return deployment, coord, plan
+
+
+def test_a_node_refuses_a_plan_it_cannot_reproduce():
+    config = run_config()
+    deployment, coord, plan = _node_inputs(config)
+    task = build_task(deployment, config)
+    node = read_node_config({"partition-id": 0, "num-partitions": 3}, 3)
+    content = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
+    assert answer(content, RecordDict(), deployment, task, node)[REPORT]["client"] == 0  # the plan as sent: answered
+    other = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
+    other["plan"]["generator_name"] = "torch"
+    with pytest.raises(PlanRefused, match="cannot reproduce them"):
+        answer(other, RecordDict(), deployment, task, node)
+    with pytest.raises(PlanRefused, match="start weights differ"):
+        answer(plan_content(plan, 0, [], "0" * 64, coord.replica.fingerprint()), RecordDict(), deployment, task, node)
+    import dataclasses
+
+    unsampled = dataclasses.replace(plan, participants=(1, 2))
+    with pytest.raises(PlanRefused, match="client 0 was not sampled in round 0"):
+        answer(plan_content(unsampled, 0, [], coord.replica.start, coord.replica.fingerprint()), RecordDict(),
+               deployment, task, node)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"colour": "red"}, r"unknown key\(s\) \['colour'\]"),
+    ({"estimator": "first_order"}, "'estimator'='first_order' sends d floats each way"),
+    ({"attack": "alie"}, "attacks are mounted by nodes"),
+    ({"server_optimizer": "amsgrad"}, "'server_optimizer'='amsgrad' is not supported in a Flower deployment"),
+    ({"rounds": 0}, "run config 'rounds'=0 must be an integer >= 1"),
+    ({"round-timeout": "soon"}, "run config 'round-timeout': expected float"),
+    ({"aggregator": "nope"}, "aggregator"),
+    ({"clients_per_round": 2}, "aggregator='cwtm' cannot hold for the vectors of a round"),
+])
+def test_bad_run_config_is_refused_before_any_work(overrides, match):
+    config = run_config(**overrides)
+    with pytest.raises(ValueError, match=match):
+        coordinator(config)
+
+
+@pytest.mark.parametrize(("node_config", "match"), [
+    ({"partition-id": 3, "num-partitions": 3}, r"partition-id'=3 must be an integer in \[0, 2\]"),
+    ({"partition-id": 0, "num-partitions": 4}, "must equal the run's num_clients=3"),
+    ({"partition-id": "0", "num-partitions": 3}, "'partition-id': expected an int"),
+    ({"partition-id": 0, "num-partitions": 3, "attack": "alie"}, "accepted: none, sf, gaussian, nonfinite, lf"),
+])
+def test_bad_node_config_is_refused(node_config, match):
+    with pytest.raises(ValueError, match=match):
+        read_node_config(node_config, 3)
+
+
+def test_replica_keeps_exact_weights_in_the_node_state():
+    config = run_config()
+    deployment = read_run_config(config)
+    replica = Replica(build_task(deployment, config).model, deployment.args)
+    with torch.no_grad():
+        for p in replica.table.params:
+            p.add_(torch.randn_like(p) * 1e-3)
+    replica.applied = 5
+    state = RecordDict()
+    replica.save(state)
+    other = Replica(build_task(deployment, config).model, deployment.args)
+    assert other.load(state) and other.applied == 5 and other.fingerprint() == replica.fingerprint()
+
+
+def test_server_evaluates_its_replica_on_a_schedule():
+    config = run_config(rounds=4, **{"eval-every": 2})
+    coord = coordinator(config)
+    coord.run(LoopbackGrid(config, nodes(3)))
+    evaluated = [r for r in coord.rounds_log if "eval_loss" in r]
+    assert [r["round"] for r in evaluated] == [1, 3]
+    # an independent reference: the ledger's first 2 and 4 rounds replayed, cross-entropy and accuracy by hand
+    task = build_task(read_run_config(config), config)
+    x = torch.stack([item["x"] for item in task.eval_dataset])
+    y = torch.stack([item["labels"] for item in task.eval_dataset])
+    for entry in evaluated:
+        weights = _replayed(config, coord.ledger, entry["round"] + 1)
+        logits = x @ weights[0].T + weights[1]
+        assert entry["eval_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-6)
+        assert entry["eval_accuracy"] == pytest.approx(float((logits.argmax(1) == y).double().mean()))
+
+
+def test_a_ledger_with_a_long_skip_reason_is_saved_and_read_back(tmp_path):
+    """A deployment's skipped rounds carry long reasons ("2 reports are too few for the rule: ..."); the ledger file
+    keeps such a string on one line (it was once written as a list of its characters, and then refused)."""
+    config = run_config(rounds=1)
+    coord = coordinator(config)
+    reason = "2 reports are too few for the rule: " + "cwtm needs 2 f < m " * 8
+    coord.ledger.record(0, [], [], 0.05, skipped=reason, loss=math.nan, participants=[0, 2])
+    coord.ledger.save(str(tmp_path))
+    assert Ledger.read(str(tmp_path))["rounds"][0]["skipped"] == reason
+
+
+@pytest.mark.parametrize("head_only", [True, False])
+def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head_only):
+    """The example's ``text`` task: a (tiny) BERT from a folder and sentences from a TSV file. Each node pads its own
+    batch, the simulation pads all clients' batches together: the rounds agree within the tolerance."""
+    from helpers import sentences, tiny_bert, wordpiece_tokenizer
+
+    folder = tmp_path / "model"
+    tiny_bert().save_pretrained(folder)
+    wordpiece_tokenizer().save_pretrained(folder)
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in sentences(80)))
+    config = run_config(rounds=2, task="zo_flower_app.task:text", **{
+        "task-model": str(folder), "task-data": str(data), "task-examples": 60, "task-eval-examples": 20,
+        "task-head-only": head_only, "eval-every": 2})
+    coord = coordinator(config)
+    coord.run(LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}})))
+    reference, _ = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
+    assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
+    trainable = sum(p.numel() for p in coord.replica.table.params)
+    assert (trainable == 16 * 2 + 2) == head_only  # only the classification head, or every weight
+    assert 0.0 <= coord.rounds_log[1]["eval_accuracy"] <= 1.0 and math.isfinite(coord.rounds_log[1]["eval_loss"])

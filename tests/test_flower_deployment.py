@@ -1,0 +1,132 @@
+"""A real deployment on loopback: ``flower-superlink`` and SuperNodes as subprocesses on free ports, the example
+app run with ``flwr run``; its ledger is the one ``ZOByzantineTrainer`` writes in one process. Bounded in time;
+every process is stopped, also on failure."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from flower_helpers import (
+    EXAMPLE_APP,
+    LocalDeployment,
+    assert_same_rounds,
+    make_certificates,
+    make_node_keys,
+    run_config,
+    trainer_ledger,
+    weight_tolerance,
+)
+
+from zo_byzantine import Ledger, replay
+from zo_byzantine.flower import read_run_config
+from zo_byzantine.flower.config import build_task
+from zo_byzantine.flower.coordinator import ROUNDS_LOG
+
+
+def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
+    out = tmp_path / "server_out"
+    n = 3
+    config = run_config(rounds=2, **{"output-dir": str(out), "min-nodes": n, "round-timeout": 120.0})
+    start = time.monotonic()
+    with LocalDeployment(tmp_path) as deployment:
+        deployment.start_superlink()
+        for i in range(n):  # node 0 is Byzantine: Gaussian noise instead of its scalars (a client-mountable attack)
+            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": n,
+                                                    **({"attack": "gaussian"} if i == 0 else {})})
+        result = deployment.run(EXAMPLE_APP, config, timeout=240)
+        logs = {name: deployment.tail(name) for name in deployment.logs}
+    elapsed = time.monotonic() - start
+    assert os.path.isfile(out / "zo_ledger.json"), (result.stdout[-3000:], result.stderr[-3000:], logs)
+    deployed = Ledger.read(str(out))
+    rounds_log = json.loads((out / ROUNDS_LOG).read_text())
+    assert [r["accepted"] for r in rounds_log] == [[0, 1, 2]] * 2, rounds_log
+    assert all(r["rejected"] == 0 and not r["problems"] for r in rounds_log), rounds_log
+    reference, trained = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
+    assert_same_rounds(deployed["rounds"], reference.rounds, mu=1e-3)
+    # the deployment's ledger replays from the start weights (fingerprint checked) to the simulation's weights
+    model = build_task(read_run_config(config), config).model
+    replay(model, deployed)
+    for a, b in zip(model.parameters(), trained.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=weight_tolerance(config, 1e-3))
+    print(f"loopback deployment: {elapsed:.1f} s for {n} nodes x 2 rounds")
+
+
+def _rounds_log(out) -> list[dict]:
+    try:
+        return json.loads((out / ROUNDS_LOG).read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return []
+
+
+def _wait_for_rounds(out, count: int, deadline: float, deployment) -> list[dict]:
+    while len(log := _rounds_log(out)) < count:
+        assert time.monotonic() < deadline, (log, {n: deployment.tail(n) for n in deployment.logs})
+        time.sleep(0.5)
+    return log
+
+
+@pytest.mark.skipif(not os.environ.get("ZO_FLOWER_FAULTS"), reason="about 3 minutes on 2 cores: set ZO_FLOWER_FAULTS=1")
+def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
+    """SIGKILL one SuperNode after round 0: the run goes on (its round aggregates the replies received: Flower
+    answers for the dead node with an error reply once its heartbeats stop, or the deadline passes); a new SuperNode
+    with the same node config registers (a query beside a round's plans: it takes part from the next round),
+    receives every ledger round in its next plan (no weights), replays them and answers, which it does only when its
+    weights' SHA-256 fingerprint equals the server's replica (bitwise the same weights; a node that differs
+    refuses)."""
+    out = tmp_path / "server_out"
+    config = run_config(rounds=6, num_byzantine=0, aggregator="mean",
+                        **{"output-dir": str(out), "round-timeout": 60.0})
+    deadline = time.monotonic() + 420
+    with LocalDeployment(tmp_path) as deployment:
+        deployment.start_superlink()
+        for i in range(3):
+            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": 3})
+        deployment.start_run(EXAMPLE_APP, config)
+        _wait_for_rounds(out, 1, deadline, deployment)
+        deployment.stop_process("node2", grace=0.1)  # SIGTERM, then SIGKILL of its whole process group
+        _wait_for_rounds(out, 2, deadline, deployment)
+        deployment.start_supernode("node2-restarted", {"partition-id": 2, "num-partitions": 3})
+        log = _wait_for_rounds(out, 6, deadline, deployment)
+    summary = [(r["round"], r["accepted"], r["catch_up"], r["problems"]) for r in log]
+    print("killed and restarted node:", summary)
+    assert log[0]["accepted"] == [0, 1, 2] and log[1]["accepted"] == [0, 1], summary  # the run went on without it
+    back = [r["round"] for r in log if 2 in r["accepted"] and r["round"] >= 2]
+    assert back and all(2 in r["accepted"] for r in log[back[0]:]), summary
+    problems = [p for r in log for p in r["problems"]]
+    assert all(r["skipped"] is None for r in log), summary
+    # what the dead node caused, and nothing else: no reply (the deadline), a reply that is Flower's error, its id
+    # still held while the SuperLink counts it connected, its client without a node for a round
+    expected = ("error reply", "held by connected node", "no connected node")
+    assert all(any(e in p for e in expected) for p in problems), problems
+    assert sum(r["rejected"] for r in log) == sum("reply rejected" in p for p in problems), summary
+    deployed = Ledger.read(str(out))
+    model = build_task(read_run_config(config), config).model
+    replay(model, deployed)  # the server's ledger replays from the start weights
+    assert [r["participants"] for r in deployed["rounds"]] == [r["accepted"] for r in log]
+
+
+def test_with_tls_and_supernode_authentication_an_unregistered_node_is_refused(tmp_path):
+    """TLS with a CA and server certificate made here (127.0.0.1), ``--enable-supernode-auth``: the SuperNode whose
+    public key was registered (``flwr supernode register``) takes part; one with another key is refused by the
+    SuperLink and never becomes a node of the run."""
+    out = tmp_path / "server_out"
+    certificates = make_certificates(tmp_path)
+    registered, registered_public = make_node_keys(tmp_path, "registered")
+    stranger, _ = make_node_keys(tmp_path, "stranger")
+    config = run_config(rounds=1, num_clients=2, clients_per_round=2, num_byzantine=0, aggregator="mean",
+                        **{"output-dir": str(out), "min-nodes": 1, "round-timeout": 60.0})
+    with LocalDeployment(tmp_path, certificates=certificates) as deployment:
+        deployment.start_superlink(supernode_auth=True)
+        registration = deployment.register(registered_public)
+        assert registration.returncode == 0, (registration.stdout, registration.stderr)
+        deployment.start_supernode("registered", {"partition-id": 0, "num-partitions": 2}, private_key=registered)
+        deployment.start_supernode("stranger", {"partition-id": 1, "num-partitions": 2}, private_key=stranger)
+        result = deployment.run(EXAMPLE_APP, config, timeout=200)
+        logs = {name: deployment.tail(name) for name in deployment.logs}
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:], logs)
+    (entry,) = _rounds_log(out)
+    assert entry["accepted"] == [0] and "client 1: no connected node" in entry["problems"], entry
+    assert "Failed to activate SuperNode" in logs["stranger"], logs["stranger"]
+    assert Ledger.read(str(out))["rounds"][0]["participants"] == [0]

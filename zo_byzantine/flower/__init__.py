@@ -1,0 +1,43 @@
+"""Real federation on Flower (``pip install "zo_byzantine[flower]"``): the protocol's roles across processes and
+machines, only seeds and scalars on the wire (SPEC 8).
+
+    wire         Plan / ledger entries <-> ConfigRecord, Report <-> MetricRecord; strict parsing of untrusted records
+    config       run config -> ZOByzantineArguments (+ deployment settings), node config (client id, node attack)
+    replica      the model at the ledger's weights; catch-up through the library's update path
+    node         the client role on a node: plan -> catch-up -> client_reports -> report
+    coordinator  the server role over a grid: register, plan, deadline, validate, aggregate, ledger
+    apps         the ServerApp and ClientApp (thin)
+"""
+
+try:
+    import flwr  # noqa: F401
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError('zo_byzantine.flower needs Flower: pip install "zo_byzantine[flower]" (flwr>=1.42,<2).') from err
+
+from .apps import client_app, server_app
+from .config import NODE_ATTACKS, Deployment, Node, Task, read_node_config, read_run_config
+from .coordinator import Coordinator
+from .node import PlanRefused, answer
+from .replica import Replica
+from .wire import Reply, WireError, plan_content, read_plan, read_reply, report_content
+
+__all__ = [
+    "NODE_ATTACKS",
+    "Coordinator",
+    "Deployment",
+    "Node",
+    "PlanRefused",
+    "Replica",
+    "Reply",
+    "Task",
+    "WireError",
+    "answer",
+    "client_app",
+    "plan_content",
+    "read_node_config",
+    "read_plan",
+    "read_reply",
+    "read_run_config",
+    "report_content",
+    "server_app",
+]

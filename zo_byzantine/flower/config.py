@@ -1,0 +1,161 @@
+"""A deployment's configuration: the run config (one per run, the same on the server and every node) and a node's
+own config, checked before any work, with errors that name the key and what is accepted.
+
+Run config (``[tool.flwr.app.config]`` or ``flwr run --run-config``):
+
+    task              "module:function", ``function(run_config) -> Task``: the model at its start weights and the
+                      shared training set (see :class:`Task`); imported on the server and on every node
+    rounds            rounds to run (>= 1)
+    round-timeout     seconds the server waits for a round's replies (the deadline)
+    min-nodes         nodes the server waits for before round 0 (default: num_clients)
+    startup-timeout   seconds it waits for them
+    output-dir        where the server writes ``zo_ledger.json`` and ``flower_rounds.json`` ("" : nowhere)
+    eval-every        evaluate the server's replica on the task's eval set every k rounds (0: never)
+    task-*            the task's own settings (model folder, data file, ...), read by ``task`` only
+    every other key   a :class:`~zo_byzantine.ZOByzantineArguments` field (num_clients, per_device_train_batch_size,
+                      clients_per_round, num_byzantine, aggregator, pre_aggregators (separated by ';'), zo_eps,
+                      num_perturbations, local_steps, learning_rate, zo_seed, partition, ...), checked by it
+
+Node config (``flower-supernode --node-config``): ``partition-id`` (this node's client id), ``num-partitions``
+(must equal num_clients), optional ``attack`` (:data:`NODE_ATTACKS`, ``name:key=value,...``).
+
+Not in a deployment (refused here): dense updates (``estimator='first_order'``, ``aggregation_space='parameter'``:
+d floats each way), ``server_optimizer='amsgrad'`` and ``weight_decay`` (the nodes replay the plain update), learning
+rate schedules (constant ``learning_rate``), and server-side attacks: omniscient ones (ALIE, FOE, TMA, ...) need
+every honest vector and stay in the simulation; a node mounts what it can alone (node config ``attack``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from ..aggregators import parse_step
+from ..arguments import ZOByzantineArguments
+from ..attacks import Attack, build_attack
+from ..validation import check_choice, check_integer, check_real
+
+DEPLOYMENT_KEYS = {
+    "task": str, "rounds": int, "round-timeout": float, "min-nodes": int, "startup-timeout": float,
+    "output-dir": str, "eval-every": int,
+}
+TASK_PREFIX = "task-"  # keys the task reads (model, data); not checked here
+NODE_ATTACKS = ("none", "sf", "gaussian", "nonfinite", "lf")  # what one node can mount from its own vector and data
+
+
+@dataclass
+class Task:
+    """What ``task`` builds, identically on the server and on every node: ``model`` at its start weights (the ledger
+    fingerprints them), ``train_dataset`` (every node partitions the same set and keeps its own part),
+    ``data_collator`` (``None``: ``transformers.default_data_collator``), optional ``eval_dataset``."""
+
+    model: torch.nn.Module
+    train_dataset: object
+    data_collator: object = None
+    eval_dataset: object = None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The checked run config: the protocol's arguments and the deployment's own settings."""
+
+    args: ZOByzantineArguments
+    task: str
+    rounds: int
+    round_timeout: float
+    min_nodes: int
+    startup_timeout: float
+    output_dir: str
+    eval_every: int = 0
+
+
+def _value(config: dict, key: str, kind: type, default):
+    value = config.get(key, default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise ValueError(f"run config {key!r}: expected {kind.__name__}, got {value!r}.")
+    return value
+
+
+def read_run_config(config: dict, output_dir: str = "/tmp/zo_byzantine_flower") -> Deployment:
+    """Check a Flower run config (see the module docstring); ``output_dir`` is the Trainer arguments' scratch
+    folder (nothing is written there). Raises ``ValueError`` naming the key."""
+    config = dict(config)
+    fields = {f.name for f in dataclasses.fields(ZOByzantineArguments)}
+    known = set(DEPLOYMENT_KEYS) | fields
+    unknown = sorted(k for k in config if k not in known and not k.startswith(TASK_PREFIX))
+    if unknown:
+        raise ValueError(f"run config: unknown key(s) {unknown}; accepted: {sorted(DEPLOYMENT_KEYS)}, "
+                         f"ZOByzantineArguments fields (num_clients, aggregator, zo_eps, ...) and {TASK_PREFIX}* keys "
+                         "(the task's own).")
+    if "task" not in config:
+        raise ValueError("run config 'task': missing; expected 'module:function' returning a zo_byzantine.flower.Task.")
+    task = _value(config, "task", str, "")
+    rounds = check_integer("run config 'rounds'", _value(config, "rounds", int, 1), 1)
+    timeout = check_real("run config 'round-timeout'", _value(config, "round-timeout", float, 600.0), 0.0,
+                         low_open=True)
+    startup = check_real("run config 'startup-timeout'", _value(config, "startup-timeout", float, 600.0), 0.0)
+    out = _value(config, "output-dir", str, "")
+    zo = {k: v for k, v in config.items() if k in fields}
+    if isinstance(zo.get("pre_aggregators"), str):
+        zo["pre_aggregators"] = [s.strip() for s in zo["pre_aggregators"].split(";") if s.strip()]
+    if zo.get("estimator") == "first_order":
+        raise ValueError("run config 'estimator'='first_order' sends d floats each way: not in a deployment; "
+                         "accepted: the zeroth-order estimators (two_point, ...).")
+    refused = {"aggregation_space": "projection", "server_optimizer": "sgd", "lr_scheduler_type": "constant",
+               "attack": "none", "weight_decay": 0.0}
+    for key, accepted in refused.items():
+        if key in zo and zo[key] != accepted:
+            reason = ("attacks are mounted by nodes (node config 'attack'); omniscient ones stay in the simulation"
+                      if key == "attack" else "the nodes replay the plain constant-rate update")
+            raise ValueError(f"run config {key!r}={zo[key]!r} is not supported in a Flower deployment ({reason}); "
+                             f"accepted: {accepted!r}.")
+    zo.setdefault("lr_scheduler_type", "constant")
+    zo.setdefault("report_to", [])
+    args = ZOByzantineArguments(output_dir=output_dir, max_steps=rounds, **zo)
+    min_nodes = check_integer("run config 'min-nodes'", _value(config, "min-nodes", int, args.num_clients), 0,
+                              args.num_clients)
+    eval_every = check_integer("run config 'eval-every'", _value(config, "eval-every", int, 0), 0)
+    return Deployment(args, task, rounds, timeout, min_nodes, startup, out, eval_every)
+
+
+def build_task(deployment: Deployment, config: dict) -> Task:
+    """Import and call the run config's ``task`` (``module:function``) with the run config."""
+    module, sep, name = deployment.task.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"run config 'task'={deployment.task!r}: expected 'module:function'.")
+    task = getattr(importlib.import_module(module), name)(dict(config))
+    if not isinstance(task, Task):
+        raise TypeError(f"run config 'task'={deployment.task!r} returned {type(task).__name__}, not a "
+                        "zo_byzantine.flower.Task.")
+    return task
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node's checked config: its client id and the attack it mounts (``none`` for an honest node)."""
+
+    client: int
+    attack: Attack
+    attack_name: str
+
+
+def read_node_config(config: dict, num_clients: int) -> Node:
+    """Check a SuperNode's node config against the run's ``num_clients``. Raises ``ValueError`` naming the key."""
+    for key in ("partition-id", "num-partitions"):
+        if type(config.get(key)) is not int:
+            raise ValueError(f"node config {key!r}: expected an int, got {config.get(key)!r}.")
+    if config["num-partitions"] != num_clients:
+        raise ValueError(f"node config 'num-partitions'={config['num-partitions']}: must equal the run's "
+                         f"num_clients={num_clients}.")
+    client = check_integer("node config 'partition-id'", config["partition-id"], 0, num_clients - 1)
+    spec = config.get("attack", "none")
+    if not isinstance(spec, str):
+        raise ValueError(f"node config 'attack': expected a string, got {spec!r}.")
+    name, kwargs = parse_step(spec)
+    check_choice("node config 'attack'", name, NODE_ATTACKS)
+    return Node(client, build_attack(name, **kwargs), name)

@@ -1,0 +1,102 @@
+"""The client role on one node (SPEC 8): plan message -> catch-up -> report.
+
+    answer(content, state, deployment, task, node) -> reply content
+        parse the plan (strict)                     refuse: not sampled, another generator, other start weights
+        apply the ledger entries it lacks           (Replica: the library's update path; no weights on the wire)
+          entries start after what it has applied -> a catch-up request (round, client, applied)
+        its weights' fingerprint == the server's    else refuse and start over from the start weights
+        its batch of round t                        (Federation: the simulation's partition and data stream)
+        client_reports(plan, one-client evaluator)  (the simulation's client role, ids = [c])
+        node attack, if configured                  (an Attack given only this node's vector: honest = own)
+
+A refusal raises :class:`PlanRefused`; Flower returns it to the server as an error reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from flwr.app import RecordDict
+from transformers import default_data_collator
+
+from ..checks import build_federation, check_label_flipping
+from ..client import client_reports
+from ..context import RoundContext
+from ..losses import PerExampleForward
+from ..simulation import BatchedClients, Schedule, flip_labels, model_num_labels
+from .config import Deployment, Node, Task
+from .replica import Replica
+from .wire import catch_up_content, read_plan, report_content
+
+
+class PlanRefused(RuntimeError):
+    """A plan this node will not answer; the reason goes back to the server."""
+
+
+def local_attack(node: Node, vectors: torch.Tensor, zo_seed: int, round_index: int) -> torch.Tensor:
+    """What a Byzantine node sends instead of its ``vectors`` (uplinks x nu): per uplink ``u`` the node's attack
+    with only its own vector known (``honest = own``), context key ``(s, t, u + 1)`` as in the simulation (so a
+    seeded attack draws the simulation's numbers for one Byzantine client)."""
+    if node.attack_name in ("none", "lf"):  # lf poisons the labels instead
+        return vectors
+    rows = []
+    for u in range(len(vectors)):
+        own = vectors[u : u + 1]
+        rows.append(node.attack(own, own, None, RoundContext((zo_seed, round_index, u + 1), 1, 0)).vectors[0])
+    return torch.stack(rows).to(vectors)
+
+
+def round_batch(deployment: Deployment, task: Task, client: int, round_index: int) -> tuple[dict, int]:
+    """Client ``client``'s examples of round ``t`` (the simulation's stream: same partition, same order), collated,
+    and its partition size."""
+    args = deployment.args
+    federation = build_federation(args, task.train_dataset)
+    participants = [int(c) for c in federation.participants(round_index)]
+    if client not in participants:
+        raise PlanRefused(f"client {client} is not a participant of round {round_index} under this run's sampling.")
+    position = participants.index(client)
+    indices = federation.round_indices(round_index, slice(position, position + 1))
+    collator = task.data_collator or default_data_collator
+    return collator([task.train_dataset[i] for i in indices]), len(federation.partitions[client])
+
+
+def answer(content, state: RecordDict, deployment: Deployment, task: Task, node: Node) -> RecordDict:
+    """This node's reply to a plan message (see the module docstring); ``state``: the node's ``Context.state``."""
+    message = read_plan(content)
+    plan, t = message.plan, message.plan.round
+    check_label_flipping(node.attack, task.model, task.train_dataset)
+    replica = Replica(task.model, deployment.args)
+    if node.client not in plan.participants:
+        raise PlanRefused(f"client {node.client} was not sampled in round {t}.")
+    if tuple(plan.generator) != replica.table.directions.identity():
+        raise PlanRefused(f"the plan's directions come from generator {plan.generator}; this node draws "
+                          f"{replica.table.directions.identity()} and cannot reproduce them.")
+    if message.start != replica.start:
+        raise PlanRefused("this node's start weights differ from the run's (fingerprint mismatch): check the task.")
+    replica.load(state)
+    if message.since > replica.applied or replica.applied > t:
+        if replica.applied > t:
+            replica.reset(state)
+            replica.applied = 0
+        return catch_up_content(t, node.client, replica.applied)
+    replica.apply(message.entries[replica.applied - message.since :])
+    if replica.fingerprint() != message.weights:
+        replica.reset(state)
+        raise PlanRefused(f"after round {t - 1} this node's weights differ from the server's; it starts over from "
+                          "the start weights at its next plan.")
+    replica.save(state)
+    inputs, size = round_batch(deployment, task, node.client, t)
+    if node.attack.flips_labels:
+        rows = torch.ones(len(inputs["labels"]), dtype=torch.bool)
+        inputs = flip_labels(inputs, rows, node.attack.num_classes or model_num_labels(task.model))
+    args = deployment.args
+    schedule = Schedule(args.zo_schedule, args.zo_cache_budget_gb)
+    cache = {} if schedule.resolve(replica.table, plan.num_directions(1)) == "cached" else None
+    task.model.eval()
+    clients = BatchedClients(task.model, replica.table, inputs, 1, args.per_device_train_batch_size,
+                             PerExampleForward(), schedule, args.zo_forward_batch_size, contextlib.nullcontext, cache)
+    with torch.no_grad():
+        (report,) = client_reports(plan, clients, replica.table, [node.client], [size])
+    report.scalars = local_attack(node, report.scalars, args.zo_seed, t)
+    return report_content(report, replica.applied)
