@@ -63,6 +63,12 @@ class MNIST(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return {"x": self.x[i], "labels": self.labels[i]}
 
+    def __getitems__(self, indices):
+        """A whole batch (the ``DataLoader``'s batched fetch): one indexing per tensor, not one item per example
+        (2,560 items a round cost more than the round's forwards)."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return {"x": self.x[index], "labels": self.labels[index]}
+
 
 class LogisticRegression(nn.Module):
     """``logits = W x + b`` (784 -> 10); ``loss`` = cross-entropy."""
@@ -79,6 +85,8 @@ class LogisticRegression(nn.Module):
 
 
 def collate(items):
+    if isinstance(items, dict):  # already a batch (MNIST.__getitems__)
+        return items
     return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
 
 

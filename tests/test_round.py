@@ -110,7 +110,8 @@ def test_generator_passes_do_not_depend_on_number_of_clients(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["two_forwards", "auto"])
 def test_single_client_equals_mezo_reference(tmp_path, schedule):
-    """One direction at a time: bitwise; auto (stacked directions, one matrix product for +mu and -mu): the
+    """One direction at a time: bitwise (the loss of few classes is computed by rows, as here);
+    auto (stacked directions, one matrix product for +mu and -mu): the
     same up to float32 rounding."""
     torch.manual_seed(0)
     model = LogisticRegression()
@@ -145,7 +146,9 @@ def test_single_client_equals_mezo_reference(tmp_path, schedule):
             with torch.no_grad():
                 for p, w0, zj in zip(table.params, w, z, strict=True):
                     p.copy_(w0 + zj * (sign * mu))
-                per_example = torch.nn.functional.cross_entropy(reference(x)["logits"], y, reduction="none")
+                logits = reference(x)["logits"]  # cross-entropy as max + log sum exp(x - max) - x_y
+                peak = logits.max(dim=1).values
+                per_example = peak + (logits - peak[:, None]).exp().sum(dim=1).log() - logits[torch.arange(len(y)), y]
                 return per_example.double().mean()
 
         g = ((loss(1) - loss(-1)) / (2 * mu)).item()
@@ -228,3 +231,24 @@ def test_same_seed_same_result(tmp_path):
         make_trainer(model, VectorDataset(128), tmp_path, max_steps=4, partition="dirichlet").train()
         results.append(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
     assert np.array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_class_cross_entropy_by_rows_equals_torch(dtype):
+    """The per-example cross-entropy of few-class logits (computed by rows) against ``F.cross_entropy``: same
+    values up to rounding, ignored labels give 0 and count 0 (even with non-finite logits), bad labels raise."""
+    from zo_byzantine.losses import IGNORE_INDEX, per_example_loss
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(500, 10, generator=generator) * 8).to(dtype)
+    labels = torch.randint(0, 10, (500,), generator=generator)
+    labels[::9] = IGNORE_INDEX
+    logits[9, 3] = float("inf")  # an ignored example: its loss is 0, as torch's
+    sums, counts = per_example_loss(None, {"logits": logits}, labels)
+    expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    tolerance = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(sums, expected.double(), **tolerance)
+    assert torch.equal(counts, (labels != IGNORE_INDEX).double())
+    for bad in (-1, 10):
+        with pytest.raises(IndexError, match="labels must be in"):
+            per_example_loss(None, {"logits": logits}, torch.full((500,), bad))

@@ -15,6 +15,7 @@ from helpers import (
     wordpiece_tokenizer,
 )
 
+from zo_byzantine import simulation
 from zo_byzantine.perturbation import COUNTER, ParameterTable, direction_seed, perturbed, stacked
 
 
@@ -49,14 +50,16 @@ def _models():
     return [[(s, sign * 1e-2)] for s in seeds for sign in (1.0, -1.0)] + [[(seeds[0], 0.3), (seeds[1], -0.2)], []]
 
 
-@pytest.mark.parametrize("kind", ["pairs", "pairs_after_offset", "general"])  # pairs: the product by linearity
+# pairs: the product by linearity (pairs_and_base: with the unperturbed model, out of the pairs' order); general: one
+# weight per model
+@pytest.mark.parametrize("kind", ["pairs", "pairs_after_offset", "pairs_and_base", "general"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_stacked_forward_equals_one_forward_per_model(shared, kind):
     torch.manual_seed(0)
     model = MLP().double()
     table = ParameterTable(model)
     x, scale = torch.randn(4, 5, dtype=torch.float64), torch.rand(1, 7, dtype=torch.float64)
-    models = {"pairs": _models()[:6], "general": _models(),
+    models = {"pairs": _models()[:6], "general": _models(), "pairs_and_base": [[], *_models()[:6]],
               "pairs_after_offset": [[(direction_seed(2, 0, 1, 0), 0.4), *m] for m in _models()[:6]]}[kind]
     usage = {}
     with torch.no_grad(), stacked(table, models, 4, usage):
@@ -79,13 +82,17 @@ def _run(tmp_path, model, **kwargs):
     return trainer, (COUNTER.drawn - start) / ParameterTable(model).numel
 
 
-def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path):
+@pytest.mark.parametrize("split", [False, True])  # split: the 8 models of a step in 4 forwards of 2
+def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path, monkeypatch, split):
+    if split:  # rows of a forward = STACKED_BYTES / (its activations per row, at least MIN_ROW_BYTES): 2 x 32
+        monkeypatch.setattr(simulation, "STACKED_BYTES", 2 * 32 * simulation.MIN_ROW_BYTES)
     torch.manual_seed(0)
     model = LogisticRegression().double()
     reference_model = copy.deepcopy(model)
     trainer, passes = _run(tmp_path / "auto", model)  # zo_schedule="auto", the default
     reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards")
     assert trainer.schedule.stack is True and reference.schedule.stack is False
+    assert trainer.schedule.stack_rows == (64 if split else simulation.STACKED_BYTES // simulation.MIN_ROW_BYTES)
     got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
     expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)

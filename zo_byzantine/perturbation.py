@@ -225,10 +225,16 @@ def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], 
         weight = torch.cat([shifted("weight", shared), *[direction("weight", s) for s in seeds]])
         bias = None if module.bias is None else torch.cat([shifted("bias", shared),
                                                              *[direction("bias", s) for s in seeds]])
-        y = nn.functional.linear(x, weight, bias).unflatten(-1, (1 + len(seeds), out)).movedim(-2, 0)
-        which = torch.tensor([1 + seeds.index(r[0][0]) if r else 0 for r in rest], device=y.device)
+        y = nn.functional.linear(x, weight, bias).unflatten(-1, (1 + len(seeds), out))
+        blocks = y.movedim(-2, 0).contiguous()  # [1 + K, ..., out]: y_0, then x Z_k^T + z^b_k
+        which = [1 + seeds.index(r[0][0]) if r else 0 for r in rest]
         coeff = torch.tensor([r[0][1] if r else 0.0 for r in rest], dtype=y.dtype, device=y.device)
-        stacked_y = y[0] + coeff.view(-1, *[1] * (y.dim() - 1)) * y[which]
+        ones = [1] * (blocks.dim() - 1)
+        if which == [1 + g // 2 for g in range(count)]:  # the pairs +-c z_k of each direction, in order: broadcast
+            stacked_y = torch.addcmul(blocks[0], coeff.view(-1, 2, *ones), blocks[1:, None]).flatten(0, 1)
+        else:
+            index = torch.tensor(which, device=y.device)
+            stacked_y = torch.addcmul(blocks[0], coeff.view(-1, *ones), blocks.index_select(0, index))
     else:
         weight = torch.cat([shifted("weight", terms) for terms in groups])  # [G out, in]
         bias = None if module.bias is None else torch.cat([shifted("bias", terms) for terms in groups])

@@ -32,7 +32,8 @@ from .perturbation import ParameterTable, Terms, antithetic, perturbed, stacked
 
 logger = logging.getLogger(__name__)
 
-STACKED_ROWS = 2**17  # examples x models of one stacked forward: bounds its activations
+STACKED_BYTES = 2**30  # the activations of one stacked forward (module outputs, measured per row by the probe)
+MIN_ROW_BYTES = 1024  # a row's activations when the probe sees no tensor output
 
 
 class Schedule:
@@ -47,6 +48,7 @@ class Schedule:
         self.name, self.cache_budget_gb = name, cache_budget_gb
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
         self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
+        self.stack_rows = 0  # examples x models of one stacked forward (from the probe, when stacked)
 
     def _fits(self, table: ParameterTable, copies: int) -> bool:
         return copies * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
@@ -96,6 +98,17 @@ class LocalModels:
             weights = [directions.perturb(w, j, new, self.cache) for j, w in enumerate(sources)]
             self.held[client] = (terms, weights)
         return weights
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or dicts, tuples and lists of them)."""
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, tuple | list):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def _rows(inputs: dict) -> int:
@@ -214,12 +227,12 @@ class BatchedClients:
 
     def stacked_pairs(self, offset: Terms, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Every client at ``w + offset +- mu z_r`` for all ``r``, the 2 nu models evaluated in stacked forwards
-        of at most ``STACKED_ROWS`` examples x models (m x nu each)."""
+        of at most ``schedule.stack_rows`` examples x models (m x nu each)."""
         models = [[*offset, (seed, sign * mu)] for seed in seeds for sign in (1.0, -1.0)]
         sums, counts = [], []  # per example chunk: [models, rows]
         for chunk in self._chunks(self.inputs):
             rows = _rows(chunk)
-            per = max(1, STACKED_ROWS // rows)
+            per = max(1, self.schedule.stack_rows // rows)
             parts = []
             for start in range(0, len(models), per):
                 group = models[start : start + per]
@@ -247,11 +260,22 @@ class BatchedClients:
         if not self.schedule._fits(self.table, 2 * len(seeds)):
             return None
         usage: dict = {}
+        seen = [0]  # bytes of every module's outputs in the probe
+
+        def count(_module, _inputs, outputs):
+            seen[0] += _tensor_bytes(outputs)
+
+        hooks = [module.register_forward_hook(count) for module in self.model.modules()]
         try:  # a probe first: two unperturbed models (nothing drawn) on one example
-            self._stacked_forward(_slice(self.inputs, 0, 1, _rows(self.inputs)), [[], []], usage)
+            try:
+                self._stacked_forward(_slice(self.inputs, 0, 1, _rows(self.inputs)), [[], []], usage)
+            finally:
+                for hook in hooks:
+                    hook.remove()
             if not usage.get("shared_products"):
                 logger.info("zo_schedule='auto': stacked directions not used (no shared matrix product).")
                 return None
+            self.schedule.stack_rows = max(1, STACKED_BYTES // max(MIN_ROW_BYTES, seen[0] // 2))
             candidate = self.stacked_pairs(offset, seeds, mu)
         except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
             logger.info("zo_schedule='auto': stacked directions not used (%s: %s).", type(err).__name__, err)
