@@ -249,6 +249,8 @@ def test_class_cross_entropy_by_rows_equals_torch(dtype):
     tolerance = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(sums, expected.double(), **tolerance)
     assert torch.equal(counts, (labels != IGNORE_INDEX).double())
+    with_grad, _ = per_example_loss(None, {"logits": logits.clone().requires_grad_()}, labels)  # torch's (backward)
+    assert torch.equal(with_grad.detach(), expected.double()) and with_grad.requires_grad
     for bad in (-1, 10):
         with pytest.raises(IndexError, match="labels must be in"):
             per_example_loss(None, {"logits": logits}, torch.full((500,), bad))

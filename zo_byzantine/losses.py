@@ -55,9 +55,9 @@ def _class_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
     """``(sums, counts)`` of ``[N, C]`` logits: ``sums_e = logsumexp(x_e) - x_{e, y_e}`` (0 where ``y_e`` is
     ignored). With few classes it is computed by rows, ``m_e + log sum_c exp(x_ec - m_e) - x_{e, y_e}`` with
     ``m_e = max_c x_ec`` (CPU's ``log_softmax`` is slow on short rows: a stacked MNIST round spends most of its time
-    there); equal to ``F.cross_entropy(reduction="none")`` up to rounding."""
+    there) when no gradient is asked for; equal to ``F.cross_entropy(reduction="none")`` up to rounding."""
     counts = (labels != IGNORE_INDEX).double()
-    if logits.shape[-1] > FEW_CLASSES:
+    if logits.shape[-1] > FEW_CLASSES or logits.requires_grad:  # (its backward is slower than torch's fused one)
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").double(), counts
     if ((labels < 0) & (labels != IGNORE_INDEX)).any() or (labels >= logits.shape[-1]).any():
         raise IndexError(f"labels must be in [0, {logits.shape[-1]}) or {IGNORE_INDEX} (ignored).")
