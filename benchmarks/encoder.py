@@ -33,7 +33,7 @@ from transformers import DataCollatorWithPadding, TrainerCallback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from real_model import MAX_LENGTH, PER_CLASS, ROOT, load, load_minilm, zo_arguments, zo_run  # noqa: E402
+from real_model import PER_CLASS, ROOT, load, load_minilm, max_length, zo_arguments, zo_run  # noqa: E402
 
 from zo_byzantine import ZOByzantineTrainer  # noqa: E402
 from zo_byzantine.features import FeatureHead, PooledClassifier  # noqa: E402
@@ -79,8 +79,8 @@ def select_trainable(model: PooledClassifier, trainable: str, lora_r: int) -> Po
     return model
 
 
-def tokenized(tokenizer, examples: list[dict]) -> list[dict]:
-    encoded = tokenizer([e["text_a"] for e in examples], truncation=True, max_length=MAX_LENGTH)
+def tokenized(tokenizer, examples: list[dict], length: int) -> list[dict]:
+    encoded = tokenizer([e["text_a"] for e in examples], truncation=True, max_length=length)
     return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
 
 
@@ -114,8 +114,9 @@ def run(args) -> dict:
                           learning_rate=args.lr, lr_scheduler_type="constant", per_device_eval_batch_size=256,
                           use_cpu=device == "cpu")
         trainer = ZOByzantineTrainer(
-            model=model, args=zo, train_dataset=tokenized(tokenizer, train_rows),
-            eval_dataset=tokenized(tokenizer, dev_rows), data_collator=DataCollatorWithPadding(tokenizer),
+            model=model, args=zo, train_dataset=tokenized(tokenizer, train_rows, max_length(spec)),
+            eval_dataset=tokenized(tokenizer, dev_rows, max_length(spec)),
+            data_collator=DataCollatorWithPadding(tokenizer),
             compute_metrics=compute_metrics_fn(["accuracy"]), callbacks=[progress],
         )
         start = trainer.evaluate()["eval_accuracy"]

@@ -1,17 +1,20 @@
-"""Real model, real data: federated zeroth-order training of all-MiniLM-L6-v2's classification head under attack.
+"""Real model, real data: the paper's Table 1 layout (paper 004) with all-MiniLM-L6-v2's classification head
+trained by federated zeroth-order optimisation under attack, on SST-2, TREC, SNLI, RTE and MNLI.
 
 Configuration (see ``results/README.md`` for why): the pretrained encoder is frozen and a linear
-classification head on its mean-pooled sentence embedding (standardised with the training set's
-statistics) is trained by ``ZOByzantineTrainer``: n = 12 clients, b = 3 Byzantine, Dirichlet alpha = 1,
-CWTM, 64 examples per client, nu = 64, mu = 1e-3, lr 0.05 decaying linearly, 600 rounds. With the
+classification head on its mean-pooled sentence embedding ``u`` (sentence pairs: ``[u, v, |u - v|, u * v]``,
+the sentence-transformers classification features of the two sentences' embeddings), standardised with the
+training set's statistics, is trained by ``ZOByzantineTrainer``: n = 12 clients, b = 3 Byzantine, Dirichlet
+alpha = 1, CWTM, 64 examples per client, nu = 64, mu = 1e-3, lr 0.05 decaying linearly, 600 rounds. With the
 encoder frozen its outputs do not depend on the perturbation, so they are computed once per example;
 the protocol (shared seeds, per-client vectors, attacks, rule, update) is the library's, unchanged.
 Attacks: none, ALIE and FOE (auto omega), SF, TMA; plus the mean under SF. References, centralised and
 first-order: the same head (full-batch AdamW) and the whole model fine-tuned by backprop (the upper
-reference). Accuracy on the validation sample (SST-2 dev, 872; TREC test, 500) at the start, best and
-final, mean +- std over seeds. Training data: SST-2 1,000 examples per class, TREC the whole train set.
+reference). Accuracy on the validation sample at the start, best (the paper's "max accuracy over training")
+and final, mean +- std over seeds. Data: ``PER_CLASS`` training examples per class (None: the whole training
+set) and ``DEV_SIZE`` validation examples (None: the whole validation set).
 
-    python benchmarks/real_model.py                  # SST-2 and TREC, 3 seeds, about 1 hour on 2 cores
+    python benchmarks/real_model.py                  # five tasks, 3 seeds, 2 worker processes
     python benchmarks/real_model.py --smoke          # small samples, 30 rounds, one seed: the CI smoke
 """
 
@@ -32,6 +35,9 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from _common import run_jobs  # noqa: E402
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer  # noqa: E402
 from zo_byzantine.features import (  # noqa: E402
@@ -48,8 +54,20 @@ from zo_byzantine.tasks import load_local_split, load_task, sample, sample_per_c
 
 RESULTS = os.path.join(HERE, "results")
 CONFIGS = [("cwtm", "none"), ("cwtm", "alie"), ("cwtm", "foe"), ("cwtm", "sf"), ("cwtm", "tma"), ("mean", "sf")]
-PER_CLASS = {"sst2": 1000, "trec": None}  # None: the whole training set (TREC's smallest class has 86)
-MAX_LENGTH = 64
+TASKS = ["sst2", "trec", "snli", "rte", "mnli"]
+# None: the whole set (TREC's smallest class has 86 examples; RTE has 2,490 training and 277 validation pairs)
+PER_CLASS = {"sst2": 1000, "trec": None, "snli": 1000, "rte": None, "mnli": 1000}
+DEV_SIZE = {"sst2": None, "trec": None, "snli": 1000, "rte": None, "mnli": 1000}
+
+
+def max_length(spec) -> int:
+    """Tokens per sentence: the task's own limit, at most 128 (all-MiniLM-L6-v2 was trained on 128)."""
+    return min(spec.max_length, 128)
+
+
+def pair_features(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[u, v, |u - v|, u * v]``: a sentence pair's features from its two sentence embeddings."""
+    return torch.cat([u, v, (u - v).abs(), u * v], dim=-1)
 
 
 def minilm_path() -> str:
@@ -69,10 +87,14 @@ def load_minilm(device: str = "cpu"):
     return AutoTokenizer.from_pretrained(minilm_path()), encoder.to(device)
 
 
-def embed_texts(texts: list[str], device: str = "cpu") -> torch.Tensor:
-    """Mean-pooled all-MiniLM-L6-v2 embeddings of ``texts``, frozen encoder."""
+def embed_examples(examples: list[dict], length: int, device: str = "cpu") -> torch.Tensor:
+    """The frozen encoder's features of ``examples``: the mean-pooled embedding of ``text_a``, or for a sentence
+    pair :func:`pair_features` of the embeddings of ``text_a`` and ``text_b``."""
     tokenizer, encoder = load_minilm(device)
-    return embed(encoder, tokenizer, texts, MAX_LENGTH)
+    pairs = examples[0]["text_b"] is not None
+    texts = [e["text_a"] for e in examples] + ([e["text_b"] for e in examples] if pairs else [])
+    xs = embed(encoder, tokenizer, texts, length)
+    return pair_features(xs[: len(examples)], xs[len(examples) :]) if pairs else xs
 
 
 def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, seed: int, device: str = "cpu"):
@@ -84,7 +106,7 @@ def load(task: str, data_dir: str, per_class: int | None, dev_size: int | None, 
     else:
         train = sample_per_class(train, per_class, spec.num_labels, seed)
     dev = sample(load_local_split(spec, data_dir, "eval"), dev_size, seed)
-    xs = embed_texts(list(train["text_a"]) + list(dev["text_a"]), device)
+    xs = embed_examples(train.to_list() + dev.to_list(), max_length(spec), device)
     stats = moments(xs[: len(train)])
     xs = torch.cat(standardize(xs[: len(train)], xs[len(train) :]))
     features = (Features(xs[: len(train)], list(train["label"])), Features(xs[len(train) :], list(dev["label"])))
@@ -106,10 +128,11 @@ def zo_arguments(out, rule, attack, seed, rounds, eval_every, **overrides) -> ZO
     return ZOByzantineArguments(**{**settings, **overrides})
 
 
-def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out, keep_model=False):
-    """The head trained by the protocol on the cached features; ``keep_model``: the trained head under ``model``."""
+def zo_run(train, dev, spec, rule, attack, seed, rounds, eval_every, out, keep_model=False, **overrides):
+    """The head trained by the protocol on the cached features; ``keep_model``: the trained head under ``model``;
+    ``overrides``: other :class:`ZOByzantineArguments` (pre-aggregation, the attack's omega grid, ...)."""
     torch.manual_seed(seed)
-    args = zo_arguments(out, rule, attack, seed, rounds, eval_every)
+    args = zo_arguments(out, rule, attack, seed, rounds, eval_every, **overrides)
     model = FeatureHead(train.x.shape[1], spec.num_labels)
     trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev,
                                  data_collator=collate_features, compute_metrics=compute_metrics_fn(["accuracy"]))
@@ -141,18 +164,23 @@ def first_order_head(train, dev, spec, seed, epochs=300):
 
 
 def first_order_full(train, dev, spec, seed, epochs, batch=32, lr=5e-5):
-    """The whole MiniLM and the head fine-tuned by backprop, centralised (AdamW, lr 5e-5, head 1e-3):
-    the upper reference. Best validation accuracy after each epoch."""
+    """The whole MiniLM and the head fine-tuned by backprop, centralised (AdamW, lr 5e-5, head 1e-3), on the
+    same features as the head (sentence pairs: one encoder for both sentences): the upper reference. Best
+    validation accuracy after each epoch."""
     torch.manual_seed(seed)
     tokenizer, encoder = load_minilm()
-    head = nn.Linear(encoder.config.hidden_size, spec.num_labels)
+    pairs = train[0]["text_b"] is not None
+    head = nn.Linear(encoder.config.hidden_size * (4 if pairs else 1), spec.num_labels)
     groups = [{"params": encoder.parameters(), "lr": lr}, {"params": head.parameters(), "lr": 1e-3}]
     optimizer = torch.optim.AdamW(groups)
 
+    def sentence(texts):
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length(spec), return_tensors="pt")
+        return mean_pool(encoder(**enc).last_hidden_state, enc["attention_mask"])
+
     def logits(examples):
-        enc = tokenizer([e["text_a"] for e in examples], padding=True, truncation=True, max_length=MAX_LENGTH,
-                        return_tensors="pt")
-        return head(mean_pool(encoder(**enc).last_hidden_state, enc["attention_mask"]))
+        u = sentence([e["text_a"] for e in examples])
+        return head(pair_features(u, sentence([e["text_b"] for e in examples])) if pairs else u)
 
     def labels(examples):
         return torch.tensor([e["label"] for e in examples])
@@ -174,42 +202,62 @@ def first_order_full(train, dev, spec, seed, epochs, batch=32, lr=5e-5):
     return best
 
 
+def run_job(task: str, seed: int, full: bool, args) -> tuple[list[dict], dict]:
+    """One task and seed: the references (first-order full fine-tuning when ``full``) and every configuration."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.disable(logging.WARNING)
+    train_examples, dev_examples, (train, dev), spec, _ = load(
+        task, os.path.join(args.data, task), args.per_class[task], args.dev_size[task], seed)
+    began = time.perf_counter()
+    ref = {"task": task, "seed": seed, "head": first_order_head(train, dev, spec, seed)}
+    if full:
+        ref["full"] = first_order_full(train_examples, dev_examples, spec, seed, args.full_epochs)
+    ref.update(train_examples=len(train), dev_examples=len(dev), features=train.x.shape[1],
+               reference_seconds=time.perf_counter() - began)
+    print(f"{task} seed {seed}: first-order head {ref['head']:.3f}, full fine-tuning {ref.get('full')} "
+          f"({ref['reference_seconds']:.0f} s)", flush=True)
+    rows = []
+    for rule, attack in CONFIGS:
+        with tempfile.TemporaryDirectory() as out:
+            r = zo_run(train, dev, spec, rule, attack, seed, args.rounds, args.eval_every, out)
+        r.update(task=task, seed=seed, rule=rule, attack=attack)
+        rows.append(r)
+        print(f"{task} seed {seed} {rule}/{attack}: start {r['start']:.3f} best {r['best']:.3f} "
+              f"final {r['final']:.3f} ({r['seconds_per_round'] * 1000:.1f} ms/round)", flush=True)
+    return rows, ref
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=["sst2", "trec"])
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=600)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--full_epochs", type=int, default=3, help="epochs of the first-order full fine-tuning")
     parser.add_argument("--full_seeds", type=int, default=1, help="how many seeds (the first) get full fine-tuning")
+    parser.add_argument("--workers", type=int, default=2, help="processes, one (task, seed) job each at a time")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"))
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    logging.disable(logging.WARNING)
-    per_class, dev_size = dict(PER_CLASS), None
+    args.per_class, args.dev_size = dict(PER_CLASS), dict(DEV_SIZE)
     if args.smoke:
-        args.seeds, args.rounds, args.eval_every, args.full_epochs = [0], 30, 10, 1
-        per_class, dev_size = {task: 16 for task in args.tasks}, 200
-    rows, curves, references = [], {}, []
-    for task in args.tasks:
-        for n, seed in enumerate(args.seeds):
-            train_examples, dev_examples, (train, dev), spec, _ = load(
-                task, os.path.join(args.data, task), per_class.get(task), dev_size, seed)
-            ref = {"task": task, "seed": seed, "head": first_order_head(train, dev, spec, seed)}
-            if n < args.full_seeds:
-                ref["full"] = first_order_full(train_examples, dev_examples, spec, seed, args.full_epochs)
-            references.append(ref)
-            print(f"{task} seed {seed}: first-order head {ref['head']:.3f}, full fine-tuning {ref.get('full')}",
-                  flush=True)
-            for rule, attack in CONFIGS:
-                with tempfile.TemporaryDirectory() as out:
-                    r = zo_run(train, dev, spec, rule, attack, seed, args.rounds, args.eval_every, out)
-                r.update(task=task, seed=seed, rule=rule, attack=attack)
-                rows.append(r)
-                curves.setdefault((task, rule, attack), r["curve"])
-                print(f"{task} seed {seed} {rule}/{attack}: start {r['start']:.3f} best {r['best']:.3f} "
-                      f"final {r['final']:.3f} ({r['seconds_per_round'] * 1000:.1f} ms/round)", flush=True)
-    return report(rows, curves, references, args)
+        args.seeds, args.rounds, args.eval_every, args.full_epochs, args.workers = [0], 30, 10, 1, 1
+        args.per_class, args.dev_size = dict.fromkeys(TASKS, 16), dict.fromkeys(TASKS, 200)
+    if args.workers > 1 and args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
+    jobs = [(task, seed, n < args.full_seeds, args) for task in args.tasks for n, seed in enumerate(args.seeds)]
+    jobs.sort(key=lambda job: not job[2])  # the long ones (with full fine-tuning) first
+    began = time.perf_counter()
+    results = run_jobs(run_job, jobs, args.workers)
+    args.wall_seconds = time.perf_counter() - began
+    print(f"{len(jobs)} jobs in {args.wall_seconds / 60:.1f} min with {args.workers} worker(s)", flush=True)
+    rows, references = [r for job_rows, _ in results for r in job_rows], [ref for _, ref in results]
+    if not args.smoke:  # before the report: a failure there loses no run
+        with open(os.path.join(RESULTS, "real_model.json"), "w") as f:
+            json.dump({"runs": rows, "references": references, "wall_seconds": args.wall_seconds}, f)
+    return report(rows, references, args)
 
 
 def _ms(values):
@@ -217,9 +265,26 @@ def _ms(values):
     return f"{statistics.mean(values):.1f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.1f}"
 
 
-def report(rows, curves, references, args) -> list[str]:
-    lines = ["| task | rule | attack | start | best | final | best − no attack | ms/round | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def table1(rows, references, tasks) -> list[str]:
+    """The paper's Table 1 layout: one row per task, the best accuracy (mean ± std over seeds) under each attack
+    with CWTM, the mean under SF, and the two first-order references."""
+    attacks = [attack for rule, attack in CONFIGS if rule == "cwtm"]
+    lines = ["| task | " + " | ".join(("no attack" if a == "none" else a.upper()) for a in attacks)
+             + " | mean / SF | first-order head | first-order full |", "|---" * (len(attacks) + 4) + "|"]
+    for task in tasks:
+        cells = [_ms([r["best"] for r in rows if (r["task"], r["rule"], r["attack"]) == (task, rule, attack)])
+                 for rule, attack in CONFIGS]
+        heads = [r["head"] for r in references if r["task"] == task]
+        full = [r["full"] for r in references if r["task"] == task and "full" in r]
+        lines.append(f"| {task} | " + " | ".join(cells) + f" | {_ms(heads)} | "
+                     + (f"{_ms(full)} ({len(full)} seed{'s' * (len(full) > 1)})" if full else "not run") + " |")
+    return lines
+
+
+def report(rows, references, args) -> list[str]:
+    lines = table1(rows, references, args.tasks)
+    lines += ["", "| task | rule | attack | start | best | final | best − no attack | ms/round | seeds |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for task in args.tasks:
         clean = statistics.mean(r["best"] for r in rows if (r["task"], r["rule"], r["attack"]) == (task, *CONFIGS[0]))
         for rule, attack in CONFIGS:
@@ -228,19 +293,25 @@ def report(rows, curves, references, args) -> list[str]:
             lines.append(f"| {task} | {rule} | {attack} | {_ms([r['start'] for r in group])} | "
                          f"{_ms([r['best'] for r in group])} | {_ms([r['final'] for r in group])} | {gap:+.1f} | "
                          f"{statistics.mean(r['seconds_per_round'] for r in group) * 1000:.1f} | {len(group)} |")
-    lines += ["", "| task | first-order head (centralised) | seeds | first-order full fine-tuning (centralised) "
-              "| seeds |", "|---|---|---|---|---|"]
+    lines += ["", "| task | training examples | validation examples | features | first-order head (centralised) "
+              "| seeds | first-order full fine-tuning (centralised) | seeds |", "|---|---|---|---|---|---|---|---|"]
     for task in args.tasks:
-        heads = [r["head"] for r in references if r["task"] == task]
-        full = [r["full"] for r in references if r["task"] == task and "full" in r]
-        lines.append(f"| {task} | {_ms(heads)} | {len(heads)} | {_ms(full) if full else 'not run'} | {len(full)} |")
+        refs = [r for r in references if r["task"] == task]
+        full = [r["full"] for r in refs if "full" in r]
+        lines.append(f"| {task} | {refs[0]['train_examples']} | {refs[0]['dev_examples']} | {refs[0]['features']} | "
+                     f"{_ms([r['head'] for r in refs])} | {len(refs)} | {_ms(full) if full else 'not run'} | "
+                     f"{len(full)} |")
+    lines += ["", f"Wall time: {args.wall_seconds / 60:.1f} min, {args.workers} worker process(es), "
+              f"{args.threads or torch.get_num_threads()} torch thread(s) each."]
     print("\n".join(lines))
     if args.smoke:
         return lines
     with open(os.path.join(RESULTS, "real_model.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(RESULTS, "real_model.json"), "w") as f:
-        json.dump({"runs": rows, "references": references}, f)
+    curves = {}
+    for r in rows:
+        if r["seed"] == args.seeds[0]:
+            curves[r["task"], r["rule"], r["attack"]] = r["curve"]
     import matplotlib
 
     matplotlib.use("Agg")
