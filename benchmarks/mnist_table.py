@@ -82,15 +82,21 @@ def cells(only: str | None = None):
     return [c for c in out if only is None or c[0].startswith(only)]
 
 
+def file_stem(name: str) -> str:
+    """A cell name as a file name: characters other than letters, digits, ``-``, ``.``, ``=`` become ``_``."""
+    return "".join(c if c.isalnum() or c in "-.=" else "_" for c in name)
+
+
 def run_one(job):
+    """One run of ``examples/run_mnist_fed.py`` -> ``<runs_dir>/<cell>-seed<seed>.json`` (skipped if it exists)."""
     name, argv, seed, rounds, runs_dir, data_dir, eval_steps = job
     import torch
 
     torch.set_num_threads(1)
-    path = os.path.join(runs_dir, f"{name.replace(' ', '_')}-seed{seed}.json")
+    path = os.path.join(runs_dir, f"{file_stem(name)}-seed{seed}.json")
     if os.path.exists(path):
         return path
-    out = os.path.join(runs_dir, "tmp", f"{name.replace(' ', '_')}-{seed}")
+    out = os.path.join(runs_dir, "tmp", f"{file_stem(name)}-{seed}")
     start = time.perf_counter()
     metrics = load_example("run_mnist_fed").main(
         [*argv, "--seed", str(seed), "--max_steps", str(rounds), "--output_dir", out, "--data_dir", data_dir,

@@ -149,9 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
         "final_accuracy": final["eval_accuracy"],
         "max_accuracy": max(a for _, a in curve),
         "curve": curve,
+        "loss_curve": [(e["step"], e["loss"]) for e in logs],  # the honest clients' mean loss per logging window
         "uplink_bytes_per_client_round": logs[-1]["uplink_bytes_per_client"] if logs else None,
         "downlink_bytes_per_client_round": logs[-1]["downlink_bytes_per_client"] if logs else None,
         "attack_omega": [e["attack_omega"] for e in logs if "attack_omega" in e],
+        "attack_lambda": [e["attack_lambda"] for e in logs if "attack_lambda" in e],
         "train_runtime": next(e["train_runtime"] for e in trainer.state.log_history if "train_runtime" in e),
     }
     os.makedirs(args.output_dir, exist_ok=True)

@@ -1,5 +1,8 @@
 """Each attack's formula on hand-computed examples; omega search; attacks end to end."""
 
+import math
+import re
+
 import pytest
 import torch
 from helpers import LogisticRegression, VectorDataset, dataset_loss, make_trainer
@@ -193,3 +196,117 @@ def test_label_flipping_poisons_the_byzantine_reports_only(tmp_path):
     assert clean.ledger.rounds[0]["seeds"] == poisoned.ledger.rounds[0]["seeds"]
     assert clean.ledger.rounds[0]["coefficients"] != poisoned.ledger.rounds[0]["coefficients"]
     assert runs["lf"][1] > runs["none"][1]
+
+
+# ----- Fang et al. 2020 full-knowledge attacks ---------------------------------------------------
+
+
+def test_fang_trim_draws_beyond_the_honest_range_against_the_honest_direction():
+    # hbar = [5, -2] and per coordinate lo = [1, -6], hi = [9, 2]:
+    #   coordinate 0: hbar > 0, lo = 1 > 0 -> U[1/2, 1];  coordinate 1: hbar < 0, hi = 2 > 0 -> U[2, 4]
+    # negated honest vectors: hbar = [-5, 2], lo = [-9, -2], hi = [-1, 6]:
+    #   coordinate 0: hbar < 0, hi = -1 <= 0 -> U[-1, -1/2]; coordinate 1: hbar > 0, lo = -2 <= 0 -> U[-4, -2]
+    trim = build_attack("fang_trim")
+    for honest, low, high in ((HONEST, [0.5, 2.0], [1.0, 4.0]), (-HONEST, [-1.0, -4.0], [-0.5, -2.0])):
+        draws = torch.cat([trim(honest, torch.zeros(50, 2, dtype=torch.float64), MEAN, ctx(55, 50, (0, t, 1))).vectors
+                           for t in range(4)])
+        for j in range(2):
+            assert low[j] <= draws[:, j].min() and draws[:, j].max() <= high[j]
+            # uniform on the interval: both ends are approached, the clients draw their own values
+            width = high[j] - low[j]
+            assert draws[:, j].min() < low[j] + 0.05 * width and draws[:, j].max() > high[j] - 0.05 * width
+            assert abs(draws[:, j].mean().item() - (low[j] + high[j]) / 2) < 0.1 * width
+    once = trim(HONEST, OWN, MEAN, ctx(key=(3, 7, 1))).vectors
+    assert torch.equal(once, trim(HONEST, OWN, MEAN, ctx(key=(3, 7, 1))).vectors)  # seeded by the round
+    assert not torch.equal(once, trim(HONEST, OWN, MEAN, ctx(key=(3, 8, 1))).vectors)
+    assert not torch.equal(once[0], once[1])
+    wide = build_attack("fang_trim", b=4.0)(HONEST, torch.zeros(200, 2, dtype=torch.float64), MEAN, ctx(205, 200))
+    assert 0.25 <= wide.vectors[:, 0].min() and wide.vectors[:, 0].min() < 0.4
+
+
+def test_fang_trim_moves_the_trimmed_mean_against_the_honest_direction():
+    g = torch.Generator().manual_seed(1)
+    honest = torch.randn(30, 500, generator=g, dtype=torch.float64) + 0.3
+    own = torch.zeros(10, 500, dtype=torch.float64)
+    rule = Chain([], CWTM())
+    attacked = build_attack("fang_trim")(honest, own, rule, ctx(40, 10)).vectors
+    clean = rule(torch.cat([honest, own + honest.mean(0)]), ctx(40, 10)).value
+    poisoned = rule(torch.cat([honest, attacked]), ctx(40, 10)).value
+    hbar = honest.mean(0)
+    # every coordinate of the trimmed mean moves toward the side opposite to sign(hbar)
+    assert bool(((poisoned - clean) * torch.sign(hbar) < 0).all())
+
+
+def _slow_krum_bound(honest, c):
+    h, d = honest.shape
+    m = h + c
+    sums = []
+    for i in range(h):
+        dists = sorted(float((honest[l] - honest[i]).norm()) for l in range(h) if l != i)
+        sums.append(sum(dists[: m - c - 2]))
+    return min(sums) / ((m - 2 * c - 1) * d**0.5) + max(float(v.norm()) for v in honest) / d**0.5
+
+
+@pytest.mark.parametrize("dim", [3, 64, 7850])  # R^nu and R^d alike
+def test_fang_krum_takes_the_largest_halving_of_the_bound_that_krum_selects(dim):
+    from zo_byzantine.aggregators import Krum
+
+    g = torch.Generator().manual_seed(dim)
+    honest = torch.randn(12, dim, generator=g, dtype=torch.float64) + 0.5
+    own = torch.zeros(4, dim, dtype=torch.float64)
+    bound = _slow_krum_bound(honest, 4)
+    from zo_byzantine.attacks import FangKrum
+
+    assert FangKrum.upper_bound(honest, 4) == pytest.approx(bound, rel=1e-12)
+    out = build_attack("fang_krum")(honest, own, Chain([], Krum()), ctx(16, 4))
+    lam = out.diagnostics["lambda"]
+    assert out.diagnostics["crafted_selected"] == 1
+    halvings = round(math.log2(bound / lam))
+    assert lam == pytest.approx(bound / 2**halvings, rel=1e-12)
+    crafted = -lam * torch.sign(honest.mean(0))
+    assert torch.equal(out.vectors, crafted.expand(4, -1))
+
+    def picked(vector):
+        return torch.equal(Krum()(torch.cat([honest, vector.expand(4, -1)]), ctx(16, 4)).value, vector)
+
+    assert picked(crafted)
+    if halvings:  # the previous (twice larger) lambda is not selected: the loop would have stopped there
+        assert not picked(2 * crafted)
+
+
+def test_fang_krum_gives_up_below_the_threshold_when_nothing_selects_it():
+    g = torch.Generator().manual_seed(0)
+    honest = torch.randn(12, 8, generator=g, dtype=torch.float64)
+    out = build_attack("fang_krum", threshold=1e-3)(honest, torch.zeros(4, 8, dtype=torch.float64), MEAN, ctx(16, 4))
+    assert out.diagnostics["crafted_selected"] == 0 and 1e-3 <= out.diagnostics["lambda"] < 2e-3
+
+
+@pytest.mark.parametrize(("name", "kwargs", "message"), [
+    ("fang_trim", {"b": 0.5}, "fang_trim: b=0.5 must be a finite number >= 1"),
+    ("fang_trim", {"b": float("nan")}, "fang_trim: b=nan"),
+    ("fang_krum", {"threshold": 0.0}, "fang_krum: threshold=0.0 must be a finite number > 0"),
+])
+def test_fang_attacks_refuse_bad_parameters(name, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_attack(name, **kwargs)
+
+
+def test_fang_krum_defeats_first_order_krum_end_to_end(tmp_path):
+    """FedAvg with Krum in R^d (8 clients, 2 Byzantine, d = 18): the attack's own count of rounds where its crafted
+    gradient is selected equals Krum's count of Byzantine selections, most rounds, and the honest loss ends higher
+    than without the attack; on R^nu vectors the same attack runs and logs lambda."""
+    losses = {}
+    for attack in ("none", "fang_krum"):
+        torch.manual_seed(0)
+        model = LogisticRegression()
+        trainer = make_trainer(model, VectorDataset(256), tmp_path / attack, num_clients=8, num_byzantine=2,
+                               estimator="first_order", aggregator="krum", attack=attack, max_steps=40,
+                               logging_steps=40, learning_rate=0.2, per_device_train_batch_size=16)
+        trainer.train()
+        losses[attack] = dataset_loss(model, VectorDataset(256))
+    (log,) = [e for e in trainer.state.log_history if "attack_lambda" in e]
+    assert 20 < log["crafted_selected"] == log["byzantine_selected"] and log["attack_lambda"] > 0
+    assert losses["fang_krum"] > losses["none"] + 0.05
+    _, trainer = _honest_loss_change(tmp_path / "zo", "krum", "fang_krum")
+    (log,) = [e for e in trainer.state.log_history if "attack_lambda" in e]
+    assert 0 < log["crafted_selected"] == log["byzantine_selected"] and log["attack_lambda"] > 0

@@ -1,5 +1,6 @@
-"""MNIST: IDX reading with the published counts, and the Table 5 grid's smoke (two cells, 20 rounds)."""
+"""MNIST: IDX reading with the published counts; the smokes of the Table 5 grid and of paper 000 (CYBER-0)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,19 @@ def test_table_report_on_a_users_own_run_says_what_to_use(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "mnist_table.py"), "--report",
                           "--runs_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "holds no grid runs" in out.stderr and "zo_byzantine inspect" in out.stderr
+
+
+def test_cyber0_smoke_runs_every_configuration(tmp_path):
+    """Paper 000's Table 1 rows (alpha = 0.25, IID), the references and one Figure 1c attack, 10 rounds each."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cyber0.py"), "--smoke", "--runs_dir", str(tmp_path),
+           "--data_dir", os.path.join(DATA, "mnist")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "cyber0.json").read_text())
+    assert len(summary) == 7 and all(s["seeds"] == [0] and s["rounds"] == 10 for s in summary.values())
+    clean = summary["FedAvg / no Byzantine | iid | alpha=0"]["final"][0]
+    assert clean > 40.0  # 10 rounds at lr 0.01: well above chance (10 %)
+    krum = summary["Krum / Fang Krum | iid | alpha=0.25"]
+    assert krum["final"][0] < clean - 30 and krum["mean_lambda"] > 0  # Krum picks the crafted gradient
+    assert summary["Trimmed mean / Fang trim | iid | alpha=0.25"]["final"][0] < clean
+    assert "| CYBER-0 / Full-Knowledge |" in (tmp_path / "cyber0.md").read_text()

@@ -51,6 +51,24 @@ class NoAttack(Attack):
         return AttackOutput(own, {})
 
 
+def aggregate_candidates(rule, honest: torch.Tensor, candidates: torch.Tensor, k: int, ctx: RoundContext):
+    """``rule``'s output for each candidate ``c`` (``C x d``) when all ``k`` Byzantine clients send ``c`` beside
+    the honest vectors (``C x d``): what an omniscient attacker's search evaluates.
+
+    The sets are ordered honest first (the context's Byzantine mask does not describe them, so it is dropped) and
+    evaluated together by ``rule.aggregate_many`` in groups of at most 4 MB: many small sets (R^nu) at once,
+    large ones (R^d) one by one, where batching only adds memory traffic (measured)."""
+    search = RoundContext(ctx.key, len(honest) + k, ctx.num_byzantine)
+    per_set = (len(honest) + k) * honest.shape[1] * honest.element_size()
+    group = max(1, (4 << 20) // max(1, per_set))
+    outputs = []
+    for start in range(0, len(candidates), group):
+        sent = candidates[start : start + group, None, :].expand(-1, k, -1)
+        sets = torch.cat([honest.expand(len(sent), -1, -1), sent], dim=1)
+        outputs.append(rule.aggregate_many(sets, search))
+    return torch.cat(outputs)
+
+
 class OmegaAttack(Attack):
     """``hbar + omega * a(honest)``, ``omega`` fixed or ``"auto"``: the candidate maximising
     ``||R(honest + byzantine) - hbar||`` for the server's pipeline (``target="pipeline"``, pre-aggregation
@@ -77,19 +95,9 @@ class OmegaAttack(Attack):
         if self.omega != "auto":
             return AttackOutput(self.repeat(hbar + self.omega * a, own), {"omega": float(self.omega)})
         target = rule.rule if self.target == "rule" else rule
-        # the search's vectors are ordered honest first: the context's mask does not describe them
-        search = RoundContext(ctx.key, len(honest) + len(own), ctx.num_byzantine)
-        # the candidates' vector sets evaluated by the rule together, in groups of at most 4 MB: many small sets
-        # (R^nu) at once, large ones (R^d) one by one, where batching only adds memory traffic (measured)
-        per_set = (len(honest) + len(own)) * honest.shape[1] * honest.element_size()
-        group = max(1, (4 << 20) // max(1, per_set))
-        gaps = []
-        for start in range(0, len(self.candidates), group):
-            omegas = torch.tensor(self.candidates[start : start + group], dtype=honest.dtype, device=honest.device)
-            sent = (hbar + omegas[:, None] * a)[:, None, :].expand(-1, len(own), -1)
-            sets = torch.cat([honest.expand(len(omegas), -1, -1), sent], dim=1)
-            gaps.append((target.aggregate_many(sets, search) - hbar).norm(dim=1))
-        gaps = torch.cat(gaps).nan_to_num(nan=-math.inf)
+        omegas = torch.tensor(self.candidates, dtype=honest.dtype, device=honest.device)
+        outputs = aggregate_candidates(target, honest, hbar + omegas[:, None] * a, len(own), ctx)
+        gaps = (outputs - hbar).norm(dim=1).nan_to_num(nan=-math.inf)
         best = self.candidates[int(gaps.argmax())]  # the first of equal maxima, as a loop would keep
         return AttackOutput(self.repeat(hbar + best * a, own), {"omega": best})
 
@@ -186,6 +194,80 @@ class RandomChoice(OrderStatisticAttack):
         small, large = self.kth(honest, own, ctx)
         coin = torch.rand(small.shape, generator=ctx.generator(seeds.RANDOM_CHOICE)) < 0.5
         return AttackOutput(self.repeat(torch.where(coin.to(small.device), small, large), own), {})
+
+
+@register_attack("fang_trim")
+class FangTrim(Attack):
+    """Full-knowledge trim attack (Fang et al. 2020, "Local model poisoning attacks to Byzantine-robust federated
+    learning", Sec. 4.2), written for gradient-like vectors (the server steps against the aggregate).
+
+    Per coordinate ``j``, with ``s_j = sign(hbar_j)`` (the direction the honest vectors would move the model
+    against) and ``lo_j``, ``hi_j`` the smallest and largest honest values, every Byzantine client draws its own
+    value uniformly beyond the honest range, on the side opposite to ``s_j``, within a factor ``b``:
+
+        s_j > 0:  [lo_j / b, lo_j] if lo_j > 0, else [b lo_j, lo_j]
+        s_j <= 0: [hi_j, b hi_j]   if hi_j > 0, else [hi_j / b, hi_j]
+
+    ``b = 2`` as in the paper. The draws come from the round's seeded generator (reproducible). It acts on any
+    vector length: R^nu (the projected scalars) and R^d (first-order gradients, FedZO's reconstructions) alike.
+    """
+
+    def __init__(self, b: float = 2.0):
+        self.b = check_real("fang_trim: b", b, 1.0)
+
+    def __call__(self, honest, own, rule, ctx):
+        lo, hi = honest.min(dim=0).values, honest.max(dim=0).values
+        push_down = honest.mean(dim=0) > 0
+        edge = torch.where(push_down, lo, hi)
+        # the interval [edge, far] (or [far, edge]) beyond the honest range; far = edge * b or edge / b
+        outward = torch.where(push_down, edge <= 0, edge > 0)
+        far = torch.where(outward, edge * self.b, edge / self.b)
+        u = torch.rand(own.shape, generator=ctx.generator(seeds.FANG_TRIM), dtype=torch.float64).to(honest)
+        return AttackOutput(edge + u * (far - edge), {})
+
+
+@register_attack("fang_krum")
+class FangKrum(Attack):
+    """Full-knowledge Krum attack (Fang et al. 2020, Sec. 4.1), written for gradient-like vectors.
+
+    All ``c`` Byzantine clients send ``-lambda sign(hbar)`` (the model pushed against the honest direction). The
+    attacker starts from the paper's upper bound on ``lambda`` for ``m`` vectors of dimension ``d``,
+
+        lambda_0 = min_{i in H} sum_{l in G_i} ||g_l - g_i|| / ((m - 2c - 1) sqrt(d)) + max_{i in H} ||g_i|| / sqrt(d),
+
+    ``G_i`` the ``m - c - 2`` honest vectors nearest to ``g_i``, and halves ``lambda`` until the server's pipeline
+    selects the crafted vector (its output equals it: Krum picks it) or ``lambda`` falls below ``threshold``, then
+    sends the last value tried. All halvings are evaluated at once (``aggregate_candidates``); the largest that is
+    selected is the one the paper's loop stops at. Diagnostics: ``lambda`` (logged as ``attack_lambda``,
+    averaged) and ``crafted_selected`` (1 or 0; summed in the logs).
+    """
+
+    def __init__(self, threshold: float = 1e-5):
+        self.threshold = check_real("fang_krum: threshold", threshold, 0.0, low_open=True)
+
+    @staticmethod
+    def upper_bound(honest: torch.Tensor, c: int) -> float:
+        """``lambda_0`` of the class docstring (``m = len(honest) + c``); 0 when the honest vectors are all 0."""
+        h, d = honest.shape
+        m = h + c
+        dist = torch.cdist(honest[None].double(), honest[None].double())[0]
+        dist.fill_diagonal_(math.inf)
+        near = max(min(m - c - 2, h - 1), 0)
+        spread = dist.sort(dim=1).values[:, :near].sum(dim=1).min().item() if near else 0.0
+        return spread / (max(m - 2 * c - 1, 1) * math.sqrt(d)) + honest.double().norm(dim=1).max().item() / math.sqrt(d)
+
+    def __call__(self, honest, own, rule, ctx):
+        direction = -torch.sign(honest.mean(dim=0))
+        lam = self.upper_bound(honest, len(own))
+        lambdas = [lam]
+        while lambdas[-1] / 2 >= self.threshold:
+            lambdas.append(lambdas[-1] / 2)
+        crafted = torch.tensor(lambdas, dtype=honest.dtype, device=honest.device)[:, None] * direction
+        outputs = aggregate_candidates(rule, honest, crafted, len(own), ctx)
+        chosen = (outputs == crafted).all(dim=1).nonzero()
+        index = int(chosen[0]) if len(chosen) else len(lambdas) - 1
+        diagnostics = {"lambda": lambdas[index], "crafted_selected": int(len(chosen) > 0)}
+        return AttackOutput(self.repeat(crafted[index], own), diagnostics)
 
 
 @register_attack("gaussian")

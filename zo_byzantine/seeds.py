@@ -13,6 +13,7 @@ Key layouts (kept as they are: ledgers and runs made before this module replay b
     BUCKETING      (BUCKETING, s, t, uplink)       bucketing's shuffle (round key last)
     RANDOM_CHOICE  (RANDOM_CHOICE, s, t, uplink)   the random-choice attack's coins
     GAUSSIAN       (GAUSSIAN, s, t, uplink)        the Gaussian attack's noise
+    FANG_TRIM      (FANG_TRIM, s, t, uplink)       the Fang trim attack's draws
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DATA_ORDER = 0xDA7A
 BUCKETING = 0xB0C7
 RANDOM_CHOICE = 0xC014
 GAUSSIAN = 0x6A55
+FANG_TRIM = 0xFA27
 
 
 def rng(*key: int) -> np.random.Generator:

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 WINDOW_KEYS = ("rounds", "skipped_rounds", "nonfinite_values", "rejected_reports", "loss_sum", "loss_count")
 PER_APPLIED_ROUND = ("aggregate_shift", "honest_mean_norm")  # logged as means over applied rounds
-LOG_NAMES = {"omega": "attack_omega"}  # averaged over the uplinks that reported it; other diagnostics summed
+# averaged over the uplinks that reported them; other diagnostics summed
+LOG_NAMES = {"omega": "attack_omega", "lambda": "attack_lambda"}
 
 
 class ZOByzantineTrainer(Trainer):
