@@ -39,6 +39,33 @@ def test_formulas_on_a_hand_computed_example():
     assert torch.isnan(attack("nonfinite")).all() and torch.isinf(attack("nonfinite", value="-inf")).all()
 
 
+def test_order_statistics_ranked_among_all_clients():
+    # own = 0: per coordinate the 7 values sort to [0, 0, 1, 3, 5, 7, 9] and [-6, -4, -2, 0, 0, 0, 2]; k = 2;
+    # the mean of all 7 is [25/7, -10/7]: TMA sends the 2nd smallest, then the 2nd largest
+    assert attack("tma", ranked="all").tolist() == [[0.0, 0.0]] * 2
+    assert attack("always_small", ranked="all").tolist() == [[0.0, -4.0]] * 2
+    assert attack("always_large", ranked="all").tolist() == [[7.0, 0.0]] * 2
+    with pytest.raises(ValueError, match="ranked='own' is not supported; accepted: honest, all"):
+        build_attack("tma", ranked="own")
+
+
+def test_tma_ranked_among_honest_lands_above_the_honest_median_past_one_third():
+    """m = 40, alpha = beta = 0.375: 15 Byzantine send the 15th smallest of 25 honest values (above their median,
+    the 13th) and CWTM, trimming 15 per side, returns exactly that value: no pull below the median. Ranked among
+    all 40, the 15th smallest lies below the honest median and so does the aggregate."""
+    g = torch.Generator().manual_seed(0)
+    honest = torch.randn(25, 64, generator=g, dtype=torch.float64).abs() + 0.1  # hbar > 0 everywhere
+    own = torch.randn(15, 64, generator=g, dtype=torch.float64).abs() + 0.1
+    rule = Chain([], CWTM(beta=0.375))
+    median = honest.median(dim=0).values
+    for ranked, below in (("honest", False), ("all", True)):
+        sent = build_attack("tma", ranked=ranked)(honest, own, rule, ctx(40, 15)).vectors
+        out = rule(torch.cat([honest, sent]), ctx(40, 15)).value
+        if ranked == "honest":
+            torch.testing.assert_close(out, honest.sort(dim=0).values[14])
+        assert bool((out < median).all()) is below
+
+
 def test_random_choice_and_gaussian_are_seeded_by_round():
     rc = build_attack("random_choice")
     picks = set()

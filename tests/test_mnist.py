@@ -60,3 +60,55 @@ def test_cyber0_smoke_runs_every_configuration(tmp_path):
     assert krum["final"][0] < clean - 30 and krum["mean_lambda"] > 0  # Krum picks the crafted gradient
     assert summary["Trimmed mean / Fang trim | iid | alpha=0.25"]["final"][0] < clean
     assert "| CYBER-0 / Full-Knowledge |" in (tmp_path / "cyber0.md").read_text()
+
+
+def _uap_module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import zo_adafl_uap
+
+    return zo_adafl_uap
+
+
+def test_universal_perturbation_loss_on_a_hand_computed_example():
+    """delta = 0 leaves the images as they are (distortion 0) and the loss is c times the logit margin; a delta
+    moves every image the same way in tanh space."""
+    import torch
+
+    uap = _uap_module()
+
+    class Fixed(torch.nn.Module):  # logits = [sum x, 1, 2]: margin of label 0 = sum x - 2, of label 2 = 2 - sum x
+        def forward(self, x):
+            s = x.sum(dim=1, keepdim=True)
+            return torch.cat([s, torch.ones_like(s), 2 * torch.ones_like(s)], dim=1)
+
+    model = uap.UniversalPerturbation(Fixed(), c=10.0, kappa=0.5)
+    x = torch.full((2, 784), 0.25)
+    x[1] = 0.5
+    labels = torch.tensor([0, 2])
+    loss = model(x, labels)["loss"]
+    # sums 196 and 392: margins 194 and max(2 - 392, -0.5) = -0.5
+    torch.testing.assert_close(loss, torch.tensor([1940.0, -5.0]), rtol=1e-5, atol=1e-3)
+    with torch.no_grad():
+        model.delta.fill_(1.0)
+    adv = model.adversarial(x)
+    expected = (torch.tanh(torch.atanh(torch.tensor([-0.5, 0.0])) + 1.0) + 1) / 2
+    torch.testing.assert_close(adv[:, 0], expected)
+    margin, distortion, _ = model.terms(x, labels)
+    torch.testing.assert_close(distortion, 784 * (expected - torch.tensor([0.25, 0.5])) ** 2)
+    assert not any(p.requires_grad for p in model.black_box.parameters())
+    assert [name for name, p in model.named_parameters() if p.requires_grad] == ["delta"]
+
+
+def test_zo_adafl_smoke_runs_both_servers(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "zo_adafl_uap.py"), "--smoke", "--runs_dir",
+           str(tmp_path), "--data_dir", os.path.join(DATA, "mnist")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "zo_adafl.json").read_text())
+    assert summary["black_box_accuracy"] > 0.9  # the smoke's black box: one pass over 12,000 images
+    runs = summary["runs"]
+    assert set(runs) == {"ZO-AdaFL K=10 m=50", "FedZO K=10 m=50"} and all(r["rounds"] == 3 for r in runs.values())
+    # both servers moved delta (distortion > 0 from 0 at the start), and differently (AMSGrad against averaging)
+    ada, fedzo = runs["ZO-AdaFL K=10 m=50"]["distortion"], runs["FedZO K=10 m=50"]["distortion"]
+    assert ada > 0 and fedzo > 0 and ada != fedzo
+    assert all(len(curve) == 3 for curve in summary["curves"].values())

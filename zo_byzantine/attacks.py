@@ -145,19 +145,26 @@ class LabelFlip(Attack):
 
 
 class OrderStatisticAttack(Attack):
-    """Per coordinate, the ``k``-th smallest or largest honest value: ``k`` = the number of Byzantine
-    vectors of the round (``k = floor(beta m)`` when ``beta`` is set), at most the number of honest ones."""
+    """Per coordinate, the ``k``-th smallest or largest value: ``k`` = the number of Byzantine vectors of the round
+    (``k = floor(beta m)`` when ``beta`` is set), at most the number of values ranked. ``ranked="honest"`` ranks the
+    honest vectors (paper 000 Alg. 3 as written); ``"all"`` ranks every client's true vector, the Byzantine
+    clients' own included (what they would have sent honestly). With ``"honest"``, once ``k`` passes half the
+    ``h`` honest values (``floor(beta m) > h / 2``, e.g. ``alpha = beta > 1/3``) the k-th smallest lies above the
+    honest median: the attack then pushes the trimmed mean toward the middle."""
 
-    def __init__(self, beta: float | None = None):
+    def __init__(self, beta: float | None = None, ranked: str = "honest"):
         if beta is not None and not 0 < beta < 0.5:
             raise ValueError(f"{type(self).__name__}: beta={beta!r} must be in (0, 0.5).")
-        self.beta = beta
+        if ranked not in ("honest", "all"):
+            raise ValueError(f"{type(self).__name__}: ranked={ranked!r} is not supported; accepted: honest, all.")
+        self.beta, self.ranked = beta, ranked
 
     def kth(self, honest: torch.Tensor, own: torch.Tensor, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.cat([honest, own]) if self.ranked == "all" else honest
         k = len(own) if self.beta is None else math.floor(self.beta * ctx.num_vectors + 1e-9)
-        k = min(max(k, 1), len(honest))
-        ordered = honest.sort(dim=0).values
-        return ordered[k - 1], ordered[len(honest) - k]  # k-th smallest, k-th largest
+        k = min(max(k, 1), len(values))
+        ordered = values.sort(dim=0).values
+        return ordered[k - 1], ordered[len(values) - k]  # k-th smallest, k-th largest
 
 
 @register_attack("tma")
@@ -167,7 +174,8 @@ class TMA(OrderStatisticAttack):
 
     def __call__(self, honest, own, rule, ctx):
         small, large = self.kth(honest, own, ctx)
-        return AttackOutput(self.repeat(torch.where(honest.mean(dim=0) > 0, small, large), own), {})
+        ranked = torch.cat([honest, own]) if self.ranked == "all" else honest  # paper 000 Alg. 3: the mean of all m
+        return AttackOutput(self.repeat(torch.where(ranked.mean(dim=0) > 0, small, large), own), {})
 
 
 @register_attack("always_small")

@@ -1,0 +1,295 @@
+"""Reproduce ZO-AdaFL's federated black-box attack (papers/002, Section 5, Figure 2): a universal adversarial
+perturbation of MNIST digit "4" images, learnt by 50 clients from the losses of a black-box classifier.
+
+1. The black box: a small CNN (no dropout or batch norm: the Trainer's ``train()`` mode changes nothing) trained
+   first-order on MNIST (Adam, 8 epochs, learning rate 1e-3 x 0.7 per epoch), cached under the runs folder; the
+   paper's has 99.4 % test accuracy.
+2. The data: 200 training images of digit 4 (seeded). The paper distributes "|D_i| = 60 samples to each client" of
+   50: 50 x 60 = 3,000 > 200, so the clients' sets overlap. We build 3,000 rows that repeat each of the 200 images 15
+   times and split them IID over the 50 clients (the library's split): each client holds 60 images of the pool
+   (a client may hold one twice), every image is held by about 15 clients.
+3. The trainable parameter is the perturbation ``delta`` (784 values) alone; the image seen by the black box is
+   ``x' = (tanh(atanh(2x - 1) + delta) + 1) / 2`` (inside [0, 1]). Per-image attack loss, the form of ZO-signSGD's and
+   ZO-AdaMM's universal attack (the paper gives none): ``c * max(Z_y(x') - max_{j != y} Z_j(x'), -kappa) +
+   ||x' - x||^2`` with ``c = 10``, ``kappa = 0`` (``Z`` the logits); attack success = the black box misclassifies
+   ``x'``; distortion = ``||x' - x||^2``, averaged over the 200 images.
+4. ZO-AdaFL: ``estimator="one_point"``, K local ZO-SGD steps at eta = 0.001 (``local_learning_rate``), server AMSGrad
+   (``server_optimizer="amsgrad"``) with alpha = 0.02, beta1 0.9, beta2 0.99, eps 1e-8, v0 = 1e-5. FedZO: the same
+   clients, the server averages the local models (``server_optimizer="sgd"``, learning rate = eta). ZONES and DZOPA
+   are not configurations of ours (primal-dual / decentralised), so they are not run.
+
+Runs (one JSON each under ``benchmarks/results/zo_adafl_runs/``, finished ones skipped: resumable), then
+``zo_adafl.md``, ``zo_adafl.json`` and ``zo_adafl.png`` under ``benchmarks/results/``:
+
+    python benchmarks/zo_adafl_uap.py               # the comparison and Figure 2's K and m sweeps
+    python benchmarks/zo_adafl_uap.py --smoke       # ZO-AdaFL and FedZO, 3 rounds, K 2, a quick black box (CI)
+    python benchmarks/zo_adafl_uap.py --report      # tables and plot from finished runs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+from _common import load_example, run_jobs  # noqa: E402
+
+POOL, CLIENTS, PER_CLIENT, DIGIT = 200, 50, 60, 4
+
+
+class BlackBox(nn.Module):
+    """conv(1->8, 5) - ReLU - maxpool 2 - conv(8->16, 5) - ReLU - maxpool 2 - linear(256 -> 10); inputs in [0, 1].
+    Small on purpose: its forwards are the whole cost of a round (m K B images twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 8, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 5), nn.ReLU(),
+                                      nn.MaxPool2d(2), nn.Flatten())
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x.view(-1, 1, 28, 28)))
+
+
+class UniversalPerturbation(nn.Module):
+    """The federated attack's model: a frozen black box and the trainable perturbation ``delta``.
+
+    ``forward(x, labels)`` returns the per-image attack loss ``c * max(Z_y - max_{j != y} Z_j, -kappa) + ||x' - x||^2``
+    of ``x' = (tanh(atanh(2x - 1) + delta) + 1) / 2`` (only ``loss``, of shape [batch]: the clients' losses)."""
+
+    def __init__(self, black_box: nn.Module, c: float = 10.0, kappa: float = 0.0):
+        super().__init__()
+        self.black_box = black_box.requires_grad_(False)
+        self.delta = nn.Parameter(torch.zeros(784))
+        self.c, self.kappa = c, kappa
+
+    def adversarial(self, x):
+        return (torch.tanh(torch.atanh((2 * x - 1).clamp(-1 + 1e-6, 1 - 1e-6)) + self.delta) + 1) / 2
+
+    def terms(self, x, labels):
+        """``(margin, distortion, logits)`` per image."""
+        adv = self.adversarial(x)
+        logits = self.black_box(adv)
+        true = logits.gather(1, labels[:, None])[:, 0]
+        other = logits.masked_fill(nn.functional.one_hot(labels, logits.shape[1]).bool(), -torch.inf).amax(dim=1)
+        return (true - other).clamp(min=-self.kappa), (adv - x).pow(2).sum(dim=1), logits
+
+    def forward(self, x, labels):
+        margin, distortion, _ = self.terms(x, labels)
+        return {"loss": self.c * margin + distortion}
+
+
+def mnist(data_dir):
+    example = load_example("run_mnist_fed")
+    return example.MNIST(data_dir, "train", normalize=False), example.MNIST(data_dir, "test", normalize=False)
+
+
+def black_box(data_dir: str, path: str, epochs: int = 8, examples: int | None = None) -> tuple[BlackBox, float]:
+    """The trained black box (cached at ``path``; ``examples``: train on the first ones only) and its test accuracy."""
+    train, test = mnist(data_dir)
+    model = BlackBox()
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True))
+    else:
+        torch.manual_seed(0)
+        model = BlackBox()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        for _ in range(epochs):
+            for idx in torch.randperm(examples or len(train), generator=g).split(64):
+                loss = nn.functional.cross_entropy(model(train.x[idx]), train.labels[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            decay.step()
+        torch.save(model.state_dict(), path)
+    with torch.no_grad():
+        accuracy = float((model(test.x).argmax(1) == test.labels).float().mean())
+    return model.eval(), accuracy
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, x, labels):
+        self.x, self.labels = x, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i]}
+
+
+def attack_data(data_dir: str, seed: int = 0):
+    """The pool of 200 digit-4 training images, and the 3,000 client rows (each pool image 15 times)."""
+    train, _ = mnist(data_dir)
+    fours = np.flatnonzero(train.labels.numpy() == DIGIT)
+    pool = np.sort(np.random.default_rng(seed).choice(fours, POOL, replace=False))
+    rows = np.tile(pool, CLIENTS * PER_CLIENT // POOL)
+    return Rows(train.x[pool], train.labels[pool]), Rows(train.x[rows], train.labels[rows])
+
+
+def collate(items):
+    return {"x": torch.stack([i["x"] for i in items]), "labels": torch.stack([i["labels"] for i in items])}
+
+
+def evaluate(model: UniversalPerturbation, pool: Rows) -> dict:
+    with torch.no_grad():
+        margin, distortion, logits = model.terms(pool.x, pool.labels)
+        return {"attack_loss": float((model.c * margin + distortion).mean()),
+                "success_rate": float((logits.argmax(1) != pool.labels).float().mean()),
+                "distortion": float(distortion.mean())}
+
+
+def run(name: str, settings: dict, box_path: str, data_dir: str, runs_dir: str, seed: int) -> dict:
+    """One federated attack of ``settings["rounds"]`` rounds -> ``<runs_dir>/<name>-seed<seed>.json`` (skipped when
+    it exists); one thread (two runs share the machine's two cores)."""
+    from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
+
+    torch.set_num_threads(1)
+    rounds = settings["rounds"]
+    path = os.path.join(runs_dir, f"{name.replace(' ', '_')}-seed{seed}.json")
+    if os.path.exists(path):
+        return json.load(open(path))
+    box, _ = black_box(data_dir, box_path)
+    pool, rows = attack_data(data_dir)
+    model = UniversalPerturbation(box)
+    args = ZOByzantineArguments(
+        output_dir=os.path.join(runs_dir, "tmp", f"{name.replace(' ', '_')}-{seed}"), num_clients=CLIENTS,
+        max_steps=rounds,
+        per_device_train_batch_size=settings["batch"], local_steps=settings["K"],
+        clients_per_round=settings["m"], estimator="one_point", zo_eps=settings["mu"], num_perturbations=1,
+        local_learning_rate=settings["eta"], learning_rate=settings["lr"], server_optimizer=settings["server"],
+        server_betas=(0.9, 0.99), server_eps=1e-8, server_v0=1e-5, lr_scheduler_type="constant", seed=seed,
+        logging_steps=settings.get("log", 10), save_strategy="no", report_to=[], disable_tqdm=True,
+        remove_unused_columns=False, per_device_eval_batch_size=POOL,
+    )
+    start = time.perf_counter()
+    trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    trainer.train()
+    curve = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and "step" in e]
+    result = {"name": name, "seed": seed, **settings, "loss_curve": curve,
+              **evaluate(model, pool), "seconds": time.perf_counter() - start,
+              "uplink_scalars_per_client": next((e["uplink_scalars_per_client"] for e in trainer.state.log_history
+                                                 if "uplink_scalars_per_client" in e), None)}
+    with open(path, "w") as f:
+        json.dump(result, f)
+    print(f"{name} seed {seed}: loss {result['attack_loss']:.2f}, success {result['success_rate']:.3f}, "
+          f"distortion {result['distortion']:.2f} ({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
+def configurations(rounds: int = 600, sweep_rounds: int = 100) -> dict[str, dict]:
+    """ZO-AdaFL against FedZO (K = 10, m = 50, ``rounds``); Figure 2a's K sweep (m = 50) and 2b's m sweep (K = 50)
+    for ``sweep_rounds`` (a round costs m K B images twice: K = 100 is 10 times K = 10)."""
+    base = {"batch": 5, "mu": 0.005, "eta": 0.001, "m": 50, "K": 10, "rounds": rounds}
+    ada, fedzo = {**base, "server": "amsgrad", "lr": 0.02}, {**base, "server": "sgd", "lr": 0.001}
+    out = {"ZO-AdaFL K=10 m=50": ada, "FedZO K=10 m=50": fedzo}
+    for k in (50, 100):
+        out[f"ZO-AdaFL K={k} m=50"] = {**ada, "K": k, "rounds": sweep_rounds}
+    for m in (10, 30):
+        out[f"ZO-AdaFL K=50 m={m}"] = {**ada, "K": 50, "m": m, "rounds": sweep_rounds}
+    return out
+
+
+def report(runs_dir: str, out_dir: str, box_accuracy: float | None, plots: bool = True) -> dict:
+    runs = [json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")]
+    runs = [r for r in runs if isinstance(r, dict) and "attack_loss" in r]
+    if not runs:
+        raise SystemExit(f"{runs_dir!r} holds no runs of this script.")
+    by_name: dict[str, list] = {}
+    for r in runs:
+        by_name.setdefault(r["name"], []).append(r)
+    lines = [f"Black box: test accuracy {100 * box_accuracy:.2f} %." if box_accuracy is not None else "",
+             "", "| configuration | rounds | seeds | attack loss (200 images) | attack success rate, % | distortion "
+             "| uplink scalars / client / round | s / run |", "|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for name, group in by_name.items():
+        keys = ("attack_loss", "success_rate", "distortion")
+        summary[name] = {k: statistics.mean(r[k] for r in group) for k in keys}
+        summary[name].update(rounds=group[0]["rounds"], seeds=len(group), seconds=statistics.mean(r["seconds"] for r in
+                                                                                                  group))
+        s = summary[name]
+        lines.append(f"| {name} | {s['rounds']} | {s['seeds']} | {s['attack_loss']:.2f} | {100 * s['success_rate']:.1f}"
+                     f" | {s['distortion']:.2f} | {group[0]['uplink_scalars_per_client']} | {s['seconds']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "zo_adafl.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "zo_adafl.json"), "w") as f:
+        json.dump({"black_box_accuracy": box_accuracy, "runs": summary,
+                   "curves": {n: g[0]["loss_curve"] for n, g in by_name.items()}}, f, indent=1)
+    print(text)
+    if plots:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        panels = [("ZO-AdaFL vs FedZO (K = 10, m = 50)", lambda n: n.endswith("K=10 m=50")),
+                  ("ZO-AdaFL, m = 50: local iterations K", lambda n: n.startswith("ZO-AdaFL") and n.endswith("m=50")),
+                  ("ZO-AdaFL, K = 50: participating clients m", lambda n: n.startswith("ZO-AdaFL K=50"))]
+        for ax, (title, keep) in zip(axes, panels, strict=True):
+            shown = {name: group[0] for name, group in sorted(by_name.items()) if keep(name)}
+            for name, r in shown.items():
+                ax.plot(*zip(*r["loss_curve"], strict=True), label=f"{name} ({r['rounds']} rounds)")
+            if shown:  # the sweeps side by side over the rounds they all ran
+                ax.set_xlim(0, min(r["rounds"] for r in shown.values()))
+            ax.set(title=title, xlabel="communication round", ylabel="attack loss (clients' batches)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "zo_adafl.png"), dpi=90)
+        plt.close(fig)
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=600, help="ZO-AdaFL against FedZO")
+    parser.add_argument("--sweep_rounds", type=int, default=100, help="Figure 2's K and m sweeps")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--only", default=None, help="run only configurations whose name starts with this")
+    parser.add_argument("--data_dir", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
+    parser.add_argument("--runs_dir", default=os.path.join(RESULTS, "zo_adafl_runs"))
+    parser.add_argument("--smoke", action="store_true", help="ZO-AdaFL and FedZO for 3 rounds with K = 2")
+    parser.add_argument("--report", action="store_true", help="only write the table and the plot")
+    args = parser.parse_args()
+    if args.smoke and args.runs_dir == os.path.join(RESULTS, "zo_adafl_runs"):
+        args.runs_dir = tempfile.mkdtemp()
+    os.makedirs(os.path.join(args.runs_dir, "tmp"), exist_ok=True)
+    box_path = os.path.join(args.runs_dir, "black_box.pt")
+    if args.smoke and not os.path.exists(box_path):
+        black_box(args.data_dir, box_path, epochs=1, examples=12000)
+    _, accuracy = black_box(args.data_dir, box_path)
+    print(f"black box: test accuracy {100 * accuracy:.2f} %", flush=True)
+    if not args.report:
+        configs = configurations(args.rounds, args.sweep_rounds)
+        if args.smoke:
+            args.seeds, args.workers = [0], 1
+            configs = {n: {**c, "K": 2, "log": 1, "rounds": 3} for n, c in configs.items() if n.endswith("K=10 m=50")}
+        jobs = [(name, settings, box_path, args.data_dir, args.runs_dir, seed) for name, settings in configs.items()
+                if args.only is None or name.startswith(args.only) for seed in args.seeds]
+        jobs.sort(key=lambda job: -job[1]["rounds"] * job[1]["K"] * job[1]["m"])  # longest first
+        start = time.perf_counter()
+        run_jobs(run, jobs, args.workers)
+        print(f"runs done in {(time.perf_counter() - start) / 60:.1f} min of wall time", flush=True)
+    committed = args.runs_dir == os.path.join(RESULTS, "zo_adafl_runs")
+    report(args.runs_dir, RESULTS if committed else args.runs_dir, accuracy, plots=not args.smoke)
+
+
+if __name__ == "__main__":
+    main()
