@@ -53,7 +53,12 @@ def test_cyber0_smoke_runs_every_configuration(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "cyber0.json").read_text())
-    assert len(summary) == 7 and all(s["seeds"] == [0] and s["rounds"] == 10 for s in summary.values())
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import cyber0
+
+    assert len(summary) == len(cyber0.ROWS) + len(cyber0.REFERENCES) + 1  # each row at alpha 0.25, one figure attack
+    assert all(s["seeds"] == [0] and s["rounds"] == 10 for s in summary.values())
+    assert summary["CYBER-0 / Full-Knowledge ranked among all | iid | alpha=0.25"]["final"][0] > 10.0
     clean = summary["FedAvg / no Byzantine | iid | alpha=0"]["final"][0]
     assert clean > 40.0  # 10 rounds at lr 0.01: well above chance (10 %)
     krum = summary["Krum / Fang Krum | iid | alpha=0.25"]
