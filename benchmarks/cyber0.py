@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
+from _common import run_jobs  # noqa: E402
 from mnist_table import run_one  # noqa: E402
 
 ALPHAS = (0.125, 0.25, 0.375)
@@ -221,11 +221,7 @@ def main():
         eval_steps = 5 if args.smoke else 20
         jobs = [(name, argv, seed, args.rounds, args.runs_dir, args.data_dir, eval_steps)
                 for name, argv in cells for seed in args.seeds]
-        if args.workers > 1:
-            with mp.get_context("spawn").Pool(args.workers) as pool:
-                list(pool.imap_unordered(run_one, jobs))
-        else:
-            list(map(run_one, jobs))
+        run_jobs(run_one, [(job,) for job in jobs], args.workers)
         print(f"runs done in {(time.perf_counter() - start) / 60:.1f} min of wall time", flush=True)
     committed = args.runs_dir == os.path.join(RESULTS, "cyber0_runs")
     report(args.runs_dir, RESULTS if committed else args.runs_dir, plots=not args.smoke)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
-from _common import load_example  # noqa: E402
+from _common import load_example, run_jobs  # noqa: E402
 
 # paper 004 Table 5 (mean of maximum accuracy, %); None where the paper has no cell
 PAPER = {
@@ -230,11 +229,7 @@ def main():
             for name, argv in jobs
             for seed in args.seeds
         ]
-        if args.workers > 1:
-            with mp.get_context("spawn").Pool(args.workers) as pool:
-                list(pool.imap_unordered(run_one, work))
-        else:
-            list(map(run_one, work))
+        run_jobs(run_one, [(job,) for job in work], args.workers)
     if args.smoke:
         report(args.runs_dir, "mnist_smoke", args.runs_dir, plots=False)  # no matplotlib needed (CI)
     else:  # the committed results only from the committed runs; any other --runs_dir gets its own report

@@ -91,18 +91,22 @@ class UniversalPerturbation(nn.Module):
         return {"loss": self.c * margin + distortion}
 
 
-def mnist(data_dir):
-    example = load_example("run_mnist_fed")
-    return example.MNIST(data_dir, "train", normalize=False), example.MNIST(data_dir, "test", normalize=False)
+def mnist(data_dir: str, split: str):
+    """MNIST ``split`` ("train" or "test") with pixels in [0, 1]."""
+    return load_example("run_mnist_fed").MNIST(data_dir, split, normalize=False)
+
+
+def load_black_box(path: str) -> BlackBox:
+    model = BlackBox()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model.eval()
 
 
 def black_box(data_dir: str, path: str, epochs: int = 8, examples: int | None = None) -> tuple[BlackBox, float]:
-    """The trained black box (cached at ``path``; ``examples``: train on the first ones only) and its test accuracy."""
-    train, test = mnist(data_dir)
-    model = BlackBox()
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True))
-    else:
+    """The black box, trained and saved at ``path`` unless it is there (``examples``: train on the first ones only),
+    and its test accuracy."""
+    if not os.path.exists(path):
+        train = mnist(data_dir, "train")
         torch.manual_seed(0)
         model = BlackBox()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -116,9 +120,10 @@ def black_box(data_dir: str, path: str, epochs: int = 8, examples: int | None = 
                 opt.step()
             decay.step()
         torch.save(model.state_dict(), path)
+    model, test = load_black_box(path), mnist(data_dir, "test")
     with torch.no_grad():
         accuracy = float((model(test.x).argmax(1) == test.labels).float().mean())
-    return model.eval(), accuracy
+    return model, accuracy
 
 
 class Rows(torch.utils.data.Dataset):
@@ -134,7 +139,7 @@ class Rows(torch.utils.data.Dataset):
 
 def attack_data(data_dir: str, seed: int = 0):
     """The pool of 200 digit-4 training images, and the 3,000 client rows (each pool image 15 times)."""
-    train, _ = mnist(data_dir)
+    train = mnist(data_dir, "train")
     fours = np.flatnonzero(train.labels.numpy() == DIGIT)
     pool = np.sort(np.random.default_rng(seed).choice(fours, POOL, replace=False))
     rows = np.tile(pool, CLIENTS * PER_CLIENT // POOL)
@@ -163,7 +168,7 @@ def run(name: str, settings: dict, box_path: str, data_dir: str, runs_dir: str, 
     path = os.path.join(runs_dir, f"{name.replace(' ', '_')}-seed{seed}.json")
     if os.path.exists(path):
         return json.load(open(path))
-    box, _ = black_box(data_dir, box_path)
+    box = load_black_box(box_path)  # trained by main() before any run
     pool, rows = attack_data(data_dir)
     model = UniversalPerturbation(box)
     args = ZOByzantineArguments(
