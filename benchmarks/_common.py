@@ -11,7 +11,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoConfig, BertConfig, BertForSequenceClassification
+from transformers import AutoConfig, BertConfig, BertForSequenceClassification, TrainerCallback
 
 
 def minilm(num_labels: int = 2):
@@ -96,3 +96,24 @@ def load_example(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class Progress(TrainerCallback):
+    """Stops training after ``seconds`` of rounds or at the wall-clock time ``deadline`` (evaluating at the last
+    round), and records ``(round, accuracy, training seconds so far)`` at every evaluation; evaluation time is
+    not counted as training."""
+
+    def __init__(self, seconds: float | None, deadline: float | None = None):
+        self.seconds, self.deadline, self.curve, self.spent, self._began = seconds, deadline, [], 0.0, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.spent += time.perf_counter() - self._began
+        if (self.seconds is not None and self.spent >= self.seconds) or (
+                self.deadline is not None and time.monotonic() >= self.deadline):
+            control.should_training_stop = control.should_evaluate = True
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.curve.append((state.global_step, metrics["eval_accuracy"], round(self.spent, 2)))

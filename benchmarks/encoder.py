@@ -28,11 +28,12 @@ import tempfile
 import time
 
 import torch
-from transformers import DataCollatorWithPadding, TrainerCallback
+from transformers import DataCollatorWithPadding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _common import Progress  # noqa: E402
 from real_model import PER_CLASS, ROOT, load, load_minilm, max_length, zo_arguments, zo_run  # noqa: E402
 
 from zo_byzantine import ZOByzantineTrainer  # noqa: E402
@@ -41,27 +42,6 @@ from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 
 TRAINABLE = ("layers", "lora", "all")
 STARTED = time.monotonic()
-
-
-class Progress(TrainerCallback):
-    """Stops training after ``seconds`` of rounds or at the wall-clock time ``deadline`` (evaluating at the last
-    round), and records ``(round, accuracy, training seconds so far)`` at every evaluation; evaluation time is
-    not counted as training."""
-
-    def __init__(self, seconds: float | None, deadline: float | None = None):
-        self.seconds, self.deadline, self.curve, self.spent, self._began = seconds, deadline, [], 0.0, None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.spent += time.perf_counter() - self._began
-        if (self.seconds is not None and self.spent >= self.seconds) or (
-                self.deadline is not None and time.monotonic() >= self.deadline):
-            control.should_training_stop = control.should_evaluate = True
-
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.curve.append((state.global_step, metrics["eval_accuracy"], round(self.spent, 2)))
 
 
 def select_trainable(model: PooledClassifier, trainable: str, lora_r: int) -> PooledClassifier:
@@ -79,6 +59,28 @@ def select_trainable(model: PooledClassifier, trainable: str, lora_r: int) -> Po
     return model
 
 
+def probe_file(args) -> str | None:
+    """Where ``--probe_dir`` keeps the probe of this task, rule, attack, seed and probe length (or None)."""
+    if args.probe_dir is None:
+        return None
+    name = f"{args.task}_{args.rule}_{args.attack}_s{args.seed}_r{args.probe_rounds}.pt"
+    return os.path.join(args.probe_dir, name)
+
+
+def save_probe(path: str, probe: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({"head": {k: v.cpu() for k, v in probe["model"].state_dict().items()},
+                "result": {k: v for k, v in probe.items() if k != "model"}}, path)
+
+
+def load_probe(path: str, dim: int, num_labels: int) -> dict:
+    """A probe saved by :func:`save_probe` (tensors only: ``weights_only`` refuses pickled code)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    head = FeatureHead(dim, num_labels)
+    head.load_state_dict(saved["head"])
+    return {**saved["result"], "model": head, "loaded_from": os.path.basename(path)}
+
+
 def tokenized(tokenizer, examples: list[dict], length: int) -> list[dict]:
     encoded = tokenizer([e["text_a"] for e in examples], truncation=True, max_length=length)
     return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
@@ -92,15 +94,22 @@ def run(args) -> dict:
     train_rows, dev_rows, (train_f, dev_f), spec, (mean, std) = load(args.task, data_dir, per_class, dev_size,
                                                                        args.seed, device)
     began = time.perf_counter()
+    saved = probe_file(args)
     if args.probe_rounds == 0:  # timing runs: an untrained head
         probe = {"model": FeatureHead(train_f.x.shape[1], spec.num_labels), "best": math.nan, "final": math.nan}
+    elif saved is not None and os.path.exists(saved):
+        probe = load_probe(saved, train_f.x.shape[1], spec.num_labels)
     else:
         with tempfile.TemporaryDirectory() as out:
             probe = zo_run(train_f, dev_f, spec, args.rule, args.attack, args.seed, args.probe_rounds,
                            max(args.probe_rounds // 4, 1), out, keep_model=True)
+        if saved is not None:
+            save_probe(saved, probe)
     probe_seconds = time.perf_counter() - began
     print(f"{args.task} {args.rule}/{args.attack}: probe best {probe['best']:.3f} final {probe['final']:.3f} "
           f"({probe_seconds:.0f} s)", flush=True)
+    if args.probe_only:
+        return {"probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds}
 
     tokenizer, encoder = load_minilm(device)
     model = select_trainable(PooledClassifier(encoder, probe["model"], mean, std), args.trainable, args.lora_r)
@@ -160,6 +169,9 @@ def main(argv=None):
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"))
     parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--probe_dir", default=None,
+                        help="keep probes here: a saved probe of the same task, rule, attack, seed is reused")
+    parser.add_argument("--probe_only", action="store_true", help="stop after the probe (to prepare --probe_dir)")
     parser.add_argument("--smoke", action="store_true", help="16 examples per class, 100 validation, few rounds")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -1,0 +1,155 @@
+"""FedES on MNIST (papers/001, Table I and Fig. 1) as a configuration of ``ZOByzantineTrainer`` (issue 20, item 2).
+
+The paper's model: a 784-1024-1024-10 ReLU MLP (N = 1,863,690 parameters), cross-entropy, learning rate 0.01.
+Its "# Data" column (94 batches at n_B = 64) means 10 clients of 6,000 training images. In a FedES round every
+client k draws B_k = ceil(6,000 / n_B) antithetic Gaussian directions from its own seed, evaluates direction b on
+its batch b, sends the B_k loss differences, and the server steps ``w -= alpha sum_k rho_k / B_k sum_b z_k^b l_k^b``
+(with ``eps = sigma z`` and ``l = (f(w + eps) - f(w - eps)) / (2 sigma)``, eq. (7)).
+
+Our configuration: ``directions="per_client"``, ``aggregator="mean"``, n = 10, b = 0, ``num_perturbations`` = B_k,
+``per_device_train_batch_size`` = n_B, ``zo_eps`` = sigma = 1e-3 (the paper does not state sigma), constant
+learning rate 0.01. One difference: our client evaluates its B_k directions on one batch of n_B examples per round
+(640 images a round over the federation at n_B = 64), where FedES gives each direction its own batch (one epoch a
+round). The directions, their number and the update are the paper's; the estimate averages over fewer examples.
+FedGD (the paper's first-order reference, Fig. 1): ``estimator="first_order"``, each client's gradient on its whole
+6,000 images, the server averaging them (full-batch gradient descent), learning rate 0.01.
+
+Splits: ``iid``, and ``shards`` (label-skewed; the paper does not say how its non-IID split is made).
+
+    python benchmarks/fedes.py --method fedes --n_B 64 --split iid --minutes 7 --out fedes.json   # on a GPU
+    python benchmarks/fedes.py --smoke                                                            # CI smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import Progress, load_example  # noqa: E402
+
+from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer  # noqa: E402
+from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
+
+CLIENTS, PER_CLIENT = 10, 6000
+METHODS = ("fedes", "fedgd")
+SPLITS = ("iid", "shards")
+STARTED = time.monotonic()
+
+
+class MLP(nn.Module):
+    """784 -> 1024 -> ReLU -> 1024 -> ReLU -> 10 (1,863,690 parameters); ``loss`` = cross-entropy."""
+
+    def __init__(self, width: int = 1024):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                    nn.Linear(width, 10))
+        self.num_labels = 10
+
+    def forward(self, x, labels=None):
+        logits = self.layers(x)
+        return {"logits": logits, "loss": None if labels is None else nn.functional.cross_entropy(logits, labels)}
+
+
+def batches_per_client(n_b: int, per_client: int = PER_CLIENT) -> int:
+    """B_k = ceil(n_k / n_B): 94, 24, 6 at n_B = 64, 256, 1024 (the paper's "# Data" column)."""
+    return math.ceil(per_client / n_b)
+
+
+def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: int, eval_every: int,
+              budget_gb: float, per_client: int) -> ZOByzantineArguments:
+    """The federation of a FedES (or FedGD) run; see the module's docstring."""
+    if method not in METHODS:
+        raise ValueError(f"--method={method!r}; accepted: {', '.join(METHODS)}.")
+    if split not in SPLITS:
+        raise ValueError(f"--split={split!r}; accepted: {', '.join(SPLITS)}.")
+    common = dict(
+        output_dir=out, num_clients=CLIENTS, num_byzantine=0, aggregator="mean", attack="none", partition=split,
+        learning_rate=0.01, lr_scheduler_type="constant", max_steps=rounds, eval_strategy="steps",
+        eval_steps=eval_every, logging_steps=eval_every, save_strategy="no", report_to=[], disable_tqdm=True,
+        remove_unused_columns=False, seed=seed, per_device_eval_batch_size=10_000, zo_cache_budget_gb=budget_gb,
+    )
+    if method == "fedgd":
+        return ZOByzantineArguments(**common, estimator="first_order", per_device_train_batch_size=per_client)
+    return ZOByzantineArguments(**common, directions="per_client", per_device_train_batch_size=n_b, zo_eps=1e-3,
+                                num_perturbations=batches_per_client(n_b, per_client))
+
+
+def run(args) -> dict:
+    mnist = load_example("run_mnist_fed")
+    train, test = mnist.MNIST(args.data, "train"), mnist.MNIST(args.data, "test")
+    per_client = PER_CLIENT
+    if args.smoke:  # 10 clients of 64 images, 500 test images
+        keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[: CLIENTS * 64]
+        train.x, train.labels = train.x[keep], train.labels[keep]
+        test.x, test.labels = test.x[:500], test.labels[:500]
+        per_client = 64
+    progress = Progress(None if args.minutes is None else 60 * args.minutes,
+                        None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
+    with tempfile.TemporaryDirectory() as out:
+        zo = arguments(out, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
+                       args.budget_gb, per_client)
+        torch.manual_seed(args.seed)
+        trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
+                                     data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
+                                     callbacks=[progress])
+        start = trainer.evaluate()["eval_accuracy"]
+        trainer.train()
+        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    rounds = trainer.state.global_step
+    device = next(trainer.model.parameters()).device
+    result = {
+        "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "clients": CLIENTS,
+        "per_client": per_client, "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "start": start, "max": max([start, *(a for _, a, _ in progress.curve)]),
+        "final": progress.curve[-1][1] if progress.curve else start, "rounds": rounds, "seconds": progress.spent,
+        "ms_per_round": 1000 * progress.spent / max(rounds, 1), "curve": progress.curve, "loss": losses,
+    }
+    print(f"{args.method} {args.split} n_B {args.n_B}: start {start:.3f} max {result['max']:.3f} final "
+          f"{result['final']:.3f} after {rounds} rounds ({result['ms_per_round']:.1f} ms/round on "
+          f"{result['device']})", flush=True)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default="fedes", choices=METHODS)
+    parser.add_argument("--split", default="iid", choices=SPLITS)
+    parser.add_argument("--n_B", type=int, default=64, help="FedES batch size n_B (directions = ceil(6000 / n_B))")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=100_000)
+    parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+    parser.add_argument("--wall_minutes", type=float, default=None, help="stop at this wall time since start")
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--budget_gb", type=float, default=1.0, help="zo_cache_budget_gb (stacked models, cache)")
+    parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="10 clients x 64 images, 4 rounds")
+    args = parser.parse_args(argv)
+    if args.n_B < 1:
+        parser.error(f"--n_B={args.n_B}: a batch size >= 1.")
+    if args.smoke:
+        args.rounds, args.eval_every = 4, 2
+    logging.disable(logging.WARNING)
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    return result
+
+
+if __name__ == "__main__":
+    main()
