@@ -125,3 +125,15 @@ def test_replay_refuses_a_well_formed_ledger_whose_update_overflows_and_leaves_t
     with pytest.raises(LedgerError, match="Round 1: its update would overflow"):
         replay(start, forged)
     assert all(torch.equal(a, b) for a, b in zip(before, start.parameters(), strict=True))
+
+
+def test_a_dense_update_reaches_parameters_on_another_device():
+    """The server aggregates R^d updates (first order, FedZO) on the CPU; the model may sit on an accelerator
+    (found on an H100: FedGD stopped at its first step). The meta device stands in for it; it lets a plain
+    ``add_`` of a CPU tensor through, but not AMSGrad's arithmetic on the state, so the server optimizer is AMSGrad
+    (both servers read the update through the same line)."""
+    table = ParameterTable(LogisticRegression().to("meta"))
+    optimizer = ZOOptimizer(table, [{"params": table.params}], lr=0.1, server="amsgrad", local_lr=0.01)
+    optimizer.stage_dense([torch.ones(p.shape, dtype=torch.float64) for _, p in table])
+    optimizer.step()
+    assert all(p.device.type == "meta" for _, p in table)

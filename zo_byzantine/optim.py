@@ -108,7 +108,7 @@ class ZOOptimizer(torch.optim.Optimizer):
             apply_update(self.table, self._staged, lr, decay, self._cache)
         else:
             for index, param in self.table:
-                g = self._dense[index] if self._dense is not None else self.table.directions.total(
+                g = self._dense[index].to(param.device) if self._dense is not None else self.table.directions.total(
                     param, index, self._staged, self._cache)
                 if decay.get(index):
                     param.mul_(1.0 - lr * decay[index])
