@@ -99,9 +99,9 @@ def load_example(name: str):
 
 
 class Progress(TrainerCallback):
-    """Stops training after ``seconds`` of rounds or at the wall-clock time ``deadline`` (evaluating at the last
-    round), and records ``(round, accuracy, training seconds so far)`` at every evaluation; evaluation time is
-    not counted as training."""
+    """Stops training after ``seconds`` of rounds or at the wall-clock time ``deadline`` (evaluating and, where the
+    run keeps checkpoints, saving at the last round), and records ``(round, accuracy, training seconds so far)`` at
+    every evaluation; evaluation time is not counted as training."""
 
     def __init__(self, seconds: float | None, deadline: float | None = None):
         self.seconds, self.deadline, self.curve, self.spent, self._began = seconds, deadline, [], 0.0, None
@@ -114,6 +114,7 @@ class Progress(TrainerCallback):
         if (self.seconds is not None and self.spent >= self.seconds) or (
                 self.deadline is not None and time.monotonic() >= self.deadline):
             control.should_training_stop = control.should_evaluate = True
+            control.should_save = args.save_strategy != "no"
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.curve.append((state.global_step, metrics["eval_accuracy"], round(self.spent, 2)))

@@ -16,8 +16,14 @@ FedGD (the paper's first-order reference, Fig. 1): ``estimator="first_order"``, 
 
 Splits: ``iid``, and ``shards`` (label-skewed; the paper does not say how its non-IID split is made).
 
-    python benchmarks/fedes.py --method fedes --n_B 64 --split iid --minutes 7 --out fedes.json   # on a GPU
-    python benchmarks/fedes.py --smoke                                                            # CI smoke
+    python benchmarks/fedes.py --method fedes --n_B 1024 --split iid --minutes 50   # one run (resumes, see below)
+    python benchmarks/fedes.py --report                                            # results/fedes.md from the runs
+    python benchmarks/fedes.py --smoke                                             # CI smoke
+
+A run keeps a checkpoint under ``--runs_dir``/tmp/<run> at every evaluation and when its time is up; started again,
+it resumes from there (the trainer's resume: the same trajectory) until ``--rounds``, and writes
+``--runs_dir``/<run>.json with the whole curve. Table I's runs need more time than one CPU session: each can be
+continued on another day or on a GPU by carrying its checkpoint.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ CLIENTS, PER_CLIENT = 10, 6000
 METHODS = ("fedes", "fedgd")
 SPLITS = ("iid", "shards")
 STARTED = time.monotonic()
+RESULTS = os.path.join(HERE, "results")
+PAPER = {64: (95.64, 95.58), 256: (94.15, 94.13), 1024: (93.76, 93.90)}  # Table I: i.i.d., non-i.i.d. (%)
 
 
 class MLP(nn.Module):
@@ -77,13 +85,25 @@ def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: in
     common = dict(
         output_dir=out, num_clients=CLIENTS, num_byzantine=0, aggregator="mean", attack="none", partition=split,
         learning_rate=0.01, lr_scheduler_type="constant", max_steps=rounds, eval_strategy="steps",
-        eval_steps=eval_every, logging_steps=eval_every, save_strategy="no", report_to=[], disable_tqdm=True,
+        eval_steps=eval_every, logging_steps=eval_every, save_strategy="steps", save_steps=eval_every,
+        save_total_limit=1, report_to=[], disable_tqdm=True,
         remove_unused_columns=False, seed=seed, per_device_eval_batch_size=10_000, zo_cache_budget_gb=budget_gb,
     )
     if method == "fedgd":
         return ZOByzantineArguments(**common, estimator="first_order", per_device_train_batch_size=per_client)
     return ZOByzantineArguments(**common, directions="per_client", per_device_train_batch_size=n_b, zo_eps=1e-3,
                                 num_perturbations=batches_per_client(n_b, per_client))
+
+
+def stem(method: str, split: str, n_b: int, seed: int) -> str:
+    """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``."""
+    return f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
+
+
+def last_checkpoint(folder: str) -> str | None:
+    steps = [int(name.split("-")[1]) for name in os.listdir(folder) if name.startswith("checkpoint-")] \
+        if os.path.isdir(folder) else []
+    return os.path.join(folder, f"checkpoint-{max(steps)}") if steps else None
 
 
 def run(args) -> dict:
@@ -97,26 +117,33 @@ def run(args) -> dict:
         per_client = 64
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
-    with tempfile.TemporaryDirectory() as out:
-        zo = arguments(out, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
-                       args.budget_gb, per_client)
-        torch.manual_seed(args.seed)
-        trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
-                                     data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
-                                     callbacks=[progress])
-        start = trainer.evaluate()["eval_accuracy"]
-        trainer.train()
-        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
-    rounds = trainer.state.global_step
+    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed))
+    zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
+                   args.budget_gb, per_client)
+    torch.manual_seed(args.seed)
+    trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
+                                 data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
+                                 callbacks=[progress])
+    resume, first = last_checkpoint(folder), os.path.join(folder, "start.json")
+    if resume is None:  # the accuracy before training (train() starts a new history without it)
+        os.makedirs(folder, exist_ok=True)
+        with open(first, "w") as f:
+            json.dump({"eval_accuracy": trainer.evaluate()["eval_accuracy"]}, f)
+    with open(first) as f:
+        start = float(json.load(f)["eval_accuracy"])
+    trainer.train(resume_from_checkpoint=resume)
+    history = trainer.state.log_history  # restored with a checkpoint: the whole run's
+    curve = [(0, start)] + [(e["step"], e["eval_accuracy"]) for e in history if "eval_accuracy" in e]
+    rounds, began = trainer.state.global_step, int(resume.rsplit("-", 1)[1]) if resume else 0
     device = next(trainer.model.parameters()).device
     result = {
         "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "clients": CLIENTS,
         "per_client": per_client, "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "start": start, "max": max([start, *(a for _, a, _ in progress.curve)]),
-        "final": progress.curve[-1][1] if progress.curve else start, "rounds": rounds, "seconds": progress.spent,
-        "ms_per_round": 1000 * progress.spent / max(rounds, 1), "curve": progress.curve, "loss": losses,
+        "start": start, "max": max(a for _, a in curve), "final": curve[-1][1], "rounds": rounds,
+        "resumed_at": began, "seconds": progress.spent, "ms_per_round": 1000 * progress.spent / max(rounds - began, 1),
+        "curve": curve, "loss": [(e["step"], e["loss"]) for e in history if "loss" in e],
     }
     print(f"{args.method} {args.split} n_B {args.n_B}: start {start:.3f} max {result['max']:.3f} final "
           f"{result['final']:.3f} after {rounds} rounds ({result['ms_per_round']:.1f} ms/round on "
@@ -136,19 +163,60 @@ def main(argv=None):
     parser.add_argument("--eval_every", type=int, default=50)
     parser.add_argument("--budget_gb", type=float, default=1.0, help="zo_cache_budget_gb (stacked models, cache)")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
-    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--runs_dir", default=None, help="<run>.json and the checkpoints (tmp/<run>) of each run; "
+                        "default results/fedes_runs (--smoke: a temporary folder)")
+    parser.add_argument("--report", action="store_true", help="write results/fedes.md from the runs, run nothing")
     parser.add_argument("--smoke", action="store_true", help="10 clients x 64 images, 4 rounds")
     args = parser.parse_args(argv)
     if args.n_B < 1:
         parser.error(f"--n_B={args.n_B}: a batch size >= 1.")
+    if args.runs_dir is None:
+        args.runs_dir = tempfile.mkdtemp(prefix="fedes_smoke_") if args.smoke else os.path.join(RESULTS, "fedes_runs")
+    if args.report:
+        return report(args.runs_dir, os.path.join(RESULTS, "fedes.md"))
     if args.smoke:
-        args.rounds, args.eval_every = 4, 2
+        args.rounds, args.eval_every = min(args.rounds, 4), 2
     logging.disable(logging.WARNING)
     result = run(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+    os.makedirs(args.runs_dir, exist_ok=True)
+    with open(os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed) + ".json"), "w") as f:
+        json.dump(result, f)
     return result
+
+
+def report(runs_dir: str, path: str) -> list[str]:
+    """Table I's layout from the runs found: per n_B (and FedGD) and split, the best test accuracy, after how many
+    rounds, and on which device; the paper's figure beside it."""
+    runs = {}
+    for name in sorted(os.listdir(runs_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(runs_dir, name)) as f:
+                r = json.load(f)
+            runs[(r["method"], r["split"], r["n_B"] if r["method"] == "fedes" else None)] = r
+
+    def cell(key):
+        r = runs.get(key)
+        if r is None:
+            return "not run"
+        device = "H100" if "H100" in r["device"] else r["device"]
+        return f"{100 * r['max']:.2f} ({r['rounds']} rounds, {r['ms_per_round'] / 1000:.2f} s/round, {device})"
+
+    lines = ["| method | n_B | directions per client | paper i.i.d. | ours i.i.d. | paper non-i.i.d. | ours shards |",
+             "|---|---|---|---|---|---|---|"]
+    for n_b, (iid, non_iid) in PAPER.items():
+        lines.append(f"| FedES | {n_b} | {batches_per_client(n_b)} | {iid} | {cell(('fedes', 'iid', n_b))} | "
+                     f"{non_iid} | {cell(('fedes', 'shards', n_b))} |")
+    lines.append(f"| FedGD | {PER_CLIENT} | (gradient) | | {cell(('fedgd', 'iid', None))} | | "
+                 f"{cell(('fedgd', 'shards', None))} |")
+    lines += ["", "Test accuracy (%) at every evaluation:", ""]
+    for key, r in runs.items():
+        lines.append(f"- {stem(key[0], key[1], key[2] or 0, r['seed'])}: "
+                     + ", ".join(f"{step}: {100 * acc:.1f}" for step, acc in r["curve"]))
+    with open(path, "w") as f:
+        f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
+                          + lines) + "\n")
+    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -117,3 +117,32 @@ def test_zo_adafl_smoke_runs_both_servers(tmp_path):
     ada, fedzo = runs["ZO-AdaFL K=10 m=50"]["distortion"], runs["FedZO K=10 m=50"]["distortion"]
     assert ada > 0 and fedzo > 0 and ada != fedzo
     assert all(len(curve) == 3 for curve in summary["curves"].values())
+
+
+def _fedes(runs_dir, *extra):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fedes.py"), "--smoke", "--runs_dir", str(runs_dir),
+           "--data", os.path.join(DATA, "mnist"), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(next(p for p in runs_dir.iterdir() if p.suffix == ".json").read_text())
+
+
+def test_fedes_smoke_resumes_on_the_same_trajectory(tmp_path):
+    """FedES on the paper's MLP (papers/001): 2 rounds, then resumed to 4, equals 4 rounds in one go."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import batches_per_client
+
+    assert [batches_per_client(n) for n in (64, 256, 1024)] == [94, 24, 6]  # Table I's "# Data" column
+    straight = _fedes(tmp_path / "straight")
+    _fedes(tmp_path / "resumed", "--rounds", "2")
+    resumed = _fedes(tmp_path / "resumed")
+    assert straight["parameters"] == 1_863_690 and straight["rounds"] == resumed["rounds"] == 4
+    assert resumed["resumed_at"] == 2 and straight["resumed_at"] == 0
+    assert resumed["curve"] == straight["curve"] and resumed["loss"] == straight["loss"]
+    assert straight["curve"][-1][1] != straight["start"]  # the model moved
+
+
+def test_fedgd_smoke_is_first_order_full_batch(tmp_path):
+    result = _fedes(tmp_path, "--method", "fedgd", "--split", "shards")
+    assert result["method"] == "fedgd" and result["directions_per_client"] is None and result["rounds"] == 4
+    assert result["curve"][-1][1] != result["start"]
