@@ -3,9 +3,11 @@ stay 0, and the encoder benchmark's smoke (real MiniLM, real SST-2) runs every s
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import sentences, wordpiece_tokenizer
 from prompt_helpers import DATA
@@ -65,3 +67,22 @@ def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
     assert [step for step, _, _ in result["curve"]] == [0, 2, 4]
     assert 10_000_000 < result["trainable_parameters"] < 11_000_000  # six layers and the head; embeddings frozen
     assert all(0.0 <= acc <= 1.0 for _, acc, _ in result["curve"])
+
+
+def test_a_saved_probe_comes_back_with_its_head_and_results(tmp_path):
+    """``--probe_dir``: the GPU run starts from probes made on the CPU; the head and its figures come back as saved,
+    and a file holding anything but tensors and plain values is refused (``weights_only``)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from encoder import load_probe, save_probe
+
+    torch.manual_seed(0)
+    head = FeatureHead(6, 3)
+    path = str(tmp_path / "probes" / "p.pt")
+    save_probe(path, {"model": head, "best": 0.75, "final": 0.5, "curve": [(150, 0.75)], "omega": [2.5]})
+    probe = load_probe(path, 6, 3)
+    loaded, saved = probe["model"].state_dict(), head.state_dict()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert (probe["best"], probe["final"], probe["loaded_from"]) == (0.75, 0.5, "p.pt")
+    torch.save({"head": head.state_dict(), "result": {"code": FeatureHead}}, path)  # a pickled class
+    with pytest.raises(pickle.UnpicklingError):
+        load_probe(path, 6, 3)
