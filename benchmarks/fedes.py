@@ -161,7 +161,7 @@ def main(argv=None):
     parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     parser.add_argument("--wall_minutes", type=float, default=None, help="stop at this wall time since start")
     parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--budget_gb", type=float, default=1.0, help="zo_cache_budget_gb (stacked models, cache)")
+    parser.add_argument("--budget_gb", type=float, default=2.0, help="zo_cache_budget_gb (stacked models, cache)")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--runs_dir", default=None, help="<run>.json and the checkpoints (tmp/<run>) of each run; "
                         "default results/fedes_runs (--smoke: a temporary folder)")

@@ -82,15 +82,17 @@ def _run(tmp_path, model, **kwargs):
     return trainer, (COUNTER.drawn - start) / ParameterTable(model).numel
 
 
+@pytest.mark.parametrize("directions", ["shared", "per_client"])  # per_client: FedES, each client its own 2 nu models
 @pytest.mark.parametrize("split", [False, True])  # split: the 8 models of a step in 4 forwards of 2
-def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path, monkeypatch, split):
+def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path, monkeypatch, split, directions):
     if split:  # rows of a forward = STACKED_BYTES / (its activations per row, at least MIN_ROW_BYTES): 2 x 32
         monkeypatch.setattr(simulation, "STACKED_BYTES", 2 * 32 * simulation.MIN_ROW_BYTES)
     torch.manual_seed(0)
     model = LogisticRegression().double()
     reference_model = copy.deepcopy(model)
-    trainer, passes = _run(tmp_path / "auto", model)  # zo_schedule="auto", the default
-    reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards")
+    trainer, passes = _run(tmp_path / "auto", model, directions=directions)  # zo_schedule="auto", the default
+    reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards",
+                                       directions=directions)
     assert trainer.schedule.stack is True and reference.schedule.stack is False
     assert trainer.schedule.stack_rows == (64 if split else simulation.STACKED_BYTES // simulation.MIN_ROW_BYTES)
     got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
@@ -99,9 +101,11 @@ def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path,
     for a, b in zip(ParameterTable(model).params, ParameterTable(reference_model).params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     # nu = 4, 3 rounds: one at a time 3 draws per direction (+mu, -mu, update); stacked 2 (both signs, update).
-    # Round 1 runs one at a time (8), checks stacking (4), updates (4); rounds 2-3 stack (4) and update (4)
-    assert reference_passes == 3 * 4 * 3
-    assert passes == 8 + 4 + 4 + 2 * (4 + 4)
+    # Round 1 runs one at a time (8), checks stacking (4), updates (4); rounds 2-3 stack (4) and update (4); with
+    # per-client directions, each of the 4 clients draws its own
+    bases = 4 if directions == "per_client" else 1
+    assert reference_passes == bases * 3 * 4 * 3
+    assert passes == bases * (8 + 4 + 4 + 2 * (4 + 4))
 
 
 def test_auto_does_not_stack_a_bert(tmp_path):

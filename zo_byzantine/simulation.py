@@ -206,31 +206,41 @@ class BatchedClients:
 
     def loss_pairs(self, offsets: list, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses at ``w_i + offset_i +- mu z_{i,r}`` for every direction ``r`` of ``seeds[i]`` (m x nu each):
-        stacked forwards when the clients share model and directions and stacking was chosen, else one
-        direction at a time."""
-        shared = all(o == offsets[0] for o in offsets) and all(s == seeds[0] for s in seeds)
-        if shared and self.schedule.stack is None:
+        stacked forwards when the clients share their model (``offset_i`` alike: K = 1, or a first local step) and
+        stacking was chosen, else one direction at a time. Shared directions stack every client's examples in each
+        forward; per-client directions (FedES) stack each client's 2 nu models on its own examples."""
+        same_model = all(o == offsets[0] for o in offsets)
+        if same_model and self.schedule.stack is None:
             self.schedule.stack = False  # unless the check below passes
             reference = self._one_at_a_time(offsets, seeds, mu)
-            candidate = self.checked_stacking(offsets[0], seeds[0], mu, reference)
+            candidate = self.checked_stacking(offsets[0], seeds, mu, reference)
             self.schedule.stack = candidate is not None
             # the checking round returns what every later round will compute, so that a run resumed after it
             # (which checks at another round) follows the same trajectory bitwise
             return reference if candidate is None else candidate
-        if shared and self.schedule.stack:
-            return self.stacked_pairs(offsets[0], seeds[0], mu)
+        if same_model and self.schedule.stack:
+            return self._stacked(offsets[0], seeds, mu)
         return self._one_at_a_time(offsets, seeds, mu)
 
     def _one_at_a_time(self, offsets, seeds, mu):
         pairs = [self.loss_pair(offsets, [s[r] for s in seeds], mu) for r in range(len(seeds[0]))]
         return torch.stack([p for p, _ in pairs], dim=1), torch.stack([m for _, m in pairs], dim=1)
 
-    def stacked_pairs(self, offset: Terms, seeds: list[int], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every client at ``w + offset +- mu z_r`` for all ``r``, the 2 nu models evaluated in stacked forwards
-        of at most ``schedule.stack_rows`` examples x models (m x nu each)."""
+    def _stacked(self, offset: Terms, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`stacked_pairs` over all clients at once when they share their directions, else client by client."""
+        if all(s == seeds[0] for s in seeds):
+            return self.stacked_pairs(self.inputs, self.rows, self.m, offset, seeds[0], mu)
+        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+        pairs = [self.stacked_pairs(self.client_inputs(i), one, 1, offset, s, mu) for i, s in enumerate(seeds)]
+        return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
+
+    def stacked_pairs(self, inputs: dict, client_of_example, num_clients: int, offset: Terms, seeds: list[int],
+                      mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clients of ``inputs`` at ``w + offset +- mu z_r`` for all ``r``, the 2 nu models evaluated in stacked
+        forwards of at most ``schedule.stack_rows`` examples x models (num_clients x nu each)."""
         models = [[*offset, (seed, sign * mu)] for seed in seeds for sign in (1.0, -1.0)]
         sums, counts = [], []  # per example chunk: [models, rows]
-        for chunk in self._chunks(self.inputs):
+        for chunk in self._chunks(inputs):
             rows = _rows(chunk)
             per = max(1, self.schedule.stack_rows // rows)
             parts = []
@@ -241,8 +251,9 @@ class BatchedClients:
             sums.append(torch.cat([s for s, _ in parts]))
             counts.append(torch.cat([c for _, c in parts]))
         sums, counts = torch.cat(sums, dim=1), torch.cat(counts, dim=1)
-        losses = torch.stack([client_losses(s, c, self.rows, self.m) for s, c in zip(sums, counts, strict=True)])
-        losses = losses.cpu()  # [2 nu, m]
+        losses = torch.stack([client_losses(s, c, client_of_example, num_clients)
+                              for s, c in zip(sums, counts, strict=True)])
+        losses = losses.cpu()  # [2 nu, num_clients]
         return losses[0::2].T, losses[1::2].T
 
     def _stacked_forward(self, inputs: dict, models: list[Terms], usage: dict | None = None):
@@ -253,11 +264,11 @@ class BatchedClients:
         with stacked(self.table, models, rows, usage), self.context():
             return self.forward(self.model, inputs)
 
-    def checked_stacking(self, offset: Terms, seeds: list[int], mu: float, reference) -> tuple | None:
+    def checked_stacking(self, offset: Terms, seeds: list[list[int]], mu: float, reference) -> tuple | None:
         """The stacked losses if stacked forwards fit the budget, make a shared matrix product (else they would
         only split each module's forward, which costs more than it saves) and give ``reference`` (the
         one-at-a-time losses); else ``None``."""
-        if not self.schedule._fits(self.table, 2 * len(seeds)):
+        if not self.schedule._fits(self.table, 2 * len(seeds[0])):
             return None
         usage: dict = {}
         seen = [0]  # bytes of every module's outputs in the probe
@@ -276,7 +287,7 @@ class BatchedClients:
                 logger.info("zo_schedule='auto': stacked directions not used (no shared matrix product).")
                 return None
             self.schedule.stack_rows = max(1, STACKED_BYTES // max(MIN_ROW_BYTES, seen[0] // 2))
-            candidate = self.stacked_pairs(offset, seeds, mu)
+            candidate = self._stacked(offset, seeds, mu)
         except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
             logger.info("zo_schedule='auto': stacked directions not used (%s: %s).", type(err).__name__, err)
             return None
