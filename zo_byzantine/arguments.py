@@ -120,7 +120,8 @@ class ZOByzantineArguments(TrainingArguments):
             generator draws and adds in one fused pass (the counter generator's CPU kernel: regenerating z costs
             less than reading it back), else cached when the round's directions fit `zo_cache_budget_gb`, else
             two_forwards. `"auto"` also stacks the 2 nu models of a step into one forward (one matrix product of a
-            shared input with every direction's weights: logistic regression, MLPs) when 2 nu copies of the
+            shared input with every direction's weights: logistic regression, MLPs; per-client directions: each
+            client's 2 nu models on its own examples) when 2 nu copies of the
             trainable weights fit the budget and the stacked losses equal the one-at-a-time ones at the first
             round (equal up to rounding, not bitwise).
         zo_cache_budget_gb (`float`, defaults to 1.0): memory `"auto"` may spend on keeping a round's directions
