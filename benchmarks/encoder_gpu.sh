@@ -31,7 +31,7 @@ enc() {  # name task attack lr [more encoder.py arguments]
 fed() {  # name method n_B [more fedes.py arguments]
   local name=$1 method=$2 nb=$3; shift 3
   timeout "$LIMIT" python3 benchmarks/fedes.py --method "$method" --n_B "$nb" --wall_minutes "$WALL" --data .gpu/mnist \
-    --out "/tmp/gpu_runs/fed_$name.json" "$@" > "/tmp/gpu_runs/fed_$name.log" 2>&1 &
+    --runs_dir "/tmp/gpu_runs/fed_$name" "$@" > "/tmp/gpu_runs/fed_$name.log" 2>&1 &
 }
 enc trec_none trec none 5e-5
 enc trec_alie trec alie 5e-5
@@ -49,8 +49,10 @@ wait
 python3 - <<'PY'
 import glob, json, os
 out = {}
-for path in sorted(glob.glob("/tmp/gpu_runs/*.json")):
+for path in sorted(glob.glob("/tmp/gpu_runs/*.json")):  # encoder.py --out
     out[os.path.basename(path)[:-5]] = json.load(open(path))
+for path in sorted(glob.glob("/tmp/gpu_runs/fed_*/*.json")):  # fedes.py --runs_dir (checkpoints left on the machine)
+    out[os.path.basename(os.path.dirname(path))] = json.load(open(path))
 json.dump(out, open(os.path.join(os.environ["OUT"], "gpu_runs.json"), "w"))
 with open(os.path.join(os.environ["OUT"], "logs.txt"), "w") as f:
     for path in sorted(glob.glob("/tmp/gpu_runs/*.log")):

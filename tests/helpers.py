@@ -142,10 +142,11 @@ class LogisticRegression(torch.nn.Module):
 class VectorDataset(torch.utils.data.Dataset):
     """Linearly separable points: label = [w* . x > 0]."""
 
-    def __init__(self, n: int = 256, dim: int = 8, seed: int = 0):
+    def __init__(self, n: int = 256, dim: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, dim, generator=g)
         self.y = (self.x @ torch.linspace(-1, 1, dim) > 0).long()
+        self.x = self.x.to(dtype)
 
     def __len__(self):
         return len(self.y)

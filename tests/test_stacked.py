@@ -39,12 +39,6 @@ class MLP(torch.nn.Module):
         return {"logits": self.second(torch.relu(self.norm(self.first(x))) * shift), "shift": shift}
 
 
-class DoubleVectors(VectorDataset):
-    def __getitem__(self, i):
-        item = super().__getitem__(i)
-        return {"x": item["x"].double(), "labels": item["labels"]}
-
-
 def _models():
     seeds = [direction_seed(1, 0, 1, r) for r in range(3)]
     return [[(s, sign * 1e-2)] for s in seeds for sign in (1.0, -1.0)] + [[(seeds[0], 0.3), (seeds[1], -0.2)], []]
@@ -75,8 +69,8 @@ def test_stacked_forward_equals_one_forward_per_model(shared, kind):
 
 
 def _run(tmp_path, model, **kwargs):
-    trainer = make_trainer(model, DoubleVectors(128), tmp_path, max_steps=3, num_perturbations=4, logging_steps=1,
-                           num_clients=4, per_device_train_batch_size=8, **kwargs)
+    trainer = make_trainer(model, VectorDataset(128, dtype=torch.float64), tmp_path, max_steps=3, num_perturbations=4,
+                           logging_steps=1, num_clients=4, per_device_train_batch_size=8, **kwargs)
     start = COUNTER.drawn
     trainer.train()
     return trainer, (COUNTER.drawn - start) / ParameterTable(model).numel

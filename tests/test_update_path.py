@@ -137,3 +137,24 @@ def test_a_dense_update_reaches_parameters_on_another_device():
     optimizer.stage_dense([torch.ones(p.shape, dtype=torch.float64) for _, p in table])
     optimizer.step()
     assert all(p.device.type == "meta" for _, p in table)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("config", [
+    {"estimator": "first_order"},  # FedAvg / FedGD: R^d gradients aggregated on the CPU
+    {"aggregation_space": "parameter"},  # FedZO: R^d estimates reconstructed from the CPU scalars
+    {"local_steps": 2, "local_update": "compressed", "local_learning_rate": 1e-2},  # Z_t^T Z_l streamed
+    {"directions": "per_client"},  # FedES, stacked per client
+])
+def test_every_update_path_trains_on_cuda_as_on_the_cpu(tmp_path, config):
+    """Found on an H100: a CPU aggregate met CUDA weights. Each path's weights after 3 rounds on CUDA equal the CPU's
+    (float64; the directions are the same bits on both devices)."""
+    torch.manual_seed(0)
+    models = {device: LogisticRegression().double() for device in ("cpu", "cuda")}
+    models["cuda"].load_state_dict(models["cpu"].state_dict())
+    for device, model in models.items():
+        make_trainer(model, VectorDataset(64, dtype=torch.float64), tmp_path / device, max_steps=3, num_perturbations=2,
+                     use_cpu=device == "cpu", **config).train()
+    for a, b in zip(models["cpu"].parameters(), models["cuda"].parameters(), strict=True):
+        assert b.device.type == "cuda"
+        torch.testing.assert_close(a, b.cpu(), rtol=1e-9, atol=1e-12)

@@ -70,7 +70,7 @@ def gram(table: ParameterTable, left: list[int], right: list[int]) -> torch.Tens
     for j, p in table:
         a = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in left])
         b = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in right])
-        total += a @ b.T
+        total += (a @ b.T).cpu()
     return total
 
 

@@ -67,7 +67,7 @@ def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) 
     parts = []
     for j, p in table:
         z = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in seeds])
-        parts.append(vectors @ z)
+        parts.append(vectors @ z.cpu())  # the reports' scalars are on the CPU; the model may not be
     return torch.cat(parts, dim=1)
 
 
