@@ -79,8 +79,11 @@ def _run(tmp_path, model, **kwargs):
 @pytest.mark.parametrize("directions", ["shared", "per_client"])  # per_client: FedES, each client its own 2 nu models
 @pytest.mark.parametrize("split", [False, True])  # split: the 8 models of a step in 4 forwards of 2
 def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path, monkeypatch, split, directions):
-    if split:  # rows of a forward = STACKED_BYTES / (its activations per row, at least MIN_ROW_BYTES): 2 x 32
-        monkeypatch.setattr(simulation, "STACKED_BYTES", 2 * 32 * simulation.MIN_ROW_BYTES)
+    # rows of a forward = STACKED_BYTES / (its activations per row, at least MIN_ROW_BYTES): 2 models x the examples
+    # of a forward (all 4 clients' 8 with shared directions, one client's 8 with per-client directions)
+    split_rows = 2 * (8 if directions == "per_client" else 32)
+    if split:
+        monkeypatch.setattr(simulation, "STACKED_BYTES", split_rows * simulation.MIN_ROW_BYTES)
     torch.manual_seed(0)
     model = LogisticRegression().double()
     reference_model = copy.deepcopy(model)
@@ -88,7 +91,8 @@ def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path,
     reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards",
                                        directions=directions)
     assert trainer.schedule.stack is True and reference.schedule.stack is False
-    assert trainer.schedule.stack_rows == (64 if split else simulation.STACKED_BYTES // simulation.MIN_ROW_BYTES)
+    unsplit_rows = simulation.STACKED_BYTES // simulation.MIN_ROW_BYTES
+    assert trainer.schedule.stack_rows == (split_rows if split else unsplit_rows)
     got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
     expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
