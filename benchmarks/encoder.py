@@ -67,15 +67,26 @@ def probe_file(args) -> str | None:
     return os.path.join(args.probe_dir, name)
 
 
-def save_probe(path: str, probe: dict) -> None:
+def save_probe(path: str, probe: dict, mean: torch.Tensor, std: torch.Tensor) -> None:
+    """The probe's head, its figures and the statistics of the features it was trained on."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({"head": {k: v.cpu() for k, v in probe["model"].state_dict().items()},
+                "features": {"mean": mean.cpu(), "std": std.cpu()},
                 "result": {k: v for k, v in probe.items() if k != "model"}}, path)
 
 
-def load_probe(path: str, dim: int, num_labels: int) -> dict:
-    """A probe saved by :func:`save_probe` (tensors only: ``weights_only`` refuses pickled code)."""
+def load_probe(path: str, dim: int, num_labels: int, mean: torch.Tensor, std: torch.Tensor) -> dict:
+    """A probe saved by :func:`save_probe` (tensors and plain values only: ``weights_only``), refused when the
+    training features' statistics differ from ``mean`` and ``std`` (other weights, data, or sample): a probe
+    reused on other features would not start the fine-tuning at its accuracy."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
+    had = saved["features"]
+    for name, now, then in (("mean", mean.cpu(), had["mean"]), ("std", std.cpu(), had["std"])):
+        finite = torch.isfinite(now)
+        if now.shape != then.shape or not torch.equal(finite, torch.isfinite(then)) or not torch.allclose(
+                now[finite].double(), then[finite].double(), rtol=1e-3, atol=1e-4):
+            raise ValueError(f"--probe_dir: {path} was trained on features whose {name} differs from this run's "
+                             "(other encoder weights, data or sample); remove it or use another --probe_dir.")
     head = FeatureHead(dim, num_labels)
     head.load_state_dict(saved["head"])
     return {**saved["result"], "model": head, "loaded_from": os.path.basename(path)}
@@ -98,13 +109,13 @@ def run(args) -> dict:
     if args.probe_rounds == 0:  # timing runs: an untrained head
         probe = {"model": FeatureHead(train_f.x.shape[1], spec.num_labels), "best": math.nan, "final": math.nan}
     elif saved is not None and os.path.exists(saved):
-        probe = load_probe(saved, train_f.x.shape[1], spec.num_labels)
+        probe = load_probe(saved, train_f.x.shape[1], spec.num_labels, mean, std)
     else:
         with tempfile.TemporaryDirectory() as out:
             probe = zo_run(train_f, dev_f, spec, args.rule, args.attack, args.seed, args.probe_rounds,
                            max(args.probe_rounds // 4, 1), out, keep_model=True)
         if saved is not None:
-            save_probe(saved, probe)
+            save_probe(saved, probe, mean, std)
     probe_seconds = time.perf_counter() - began
     print(f"{args.task} {args.rule}/{args.attack}: probe best {probe['best']:.3f} final {probe['final']:.3f} "
           f"({probe_seconds:.0f} s)", flush=True)
@@ -174,6 +185,8 @@ def main(argv=None):
     parser.add_argument("--probe_only", action="store_true", help="stop after the probe (to prepare --probe_dir)")
     parser.add_argument("--smoke", action="store_true", help="16 examples per class, 100 validation, few rounds")
     args = parser.parse_args(argv)
+    if args.probe_only and args.probe_dir is None:
+        parser.error("--probe_only keeps the probe in --probe_dir: give --probe_dir.")
     if args.smoke:
         args.probe_rounds, args.rounds, args.eval_every, args.batch = 8, 4, 2, 4
     logging.disable(logging.WARNING)

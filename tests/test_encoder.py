@@ -2,6 +2,7 @@
 stay 0, and the encoder benchmark's smoke (real MiniLM, real SST-2) runs every stage."""
 
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -70,19 +71,27 @@ def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
 
 
 def test_a_saved_probe_comes_back_with_its_head_and_results(tmp_path):
-    """``--probe_dir``: the GPU run starts from probes made on the CPU; the head and its figures come back as saved,
-    and a file holding anything but tensors and plain values is refused (``weights_only``)."""
+    """``--probe_dir``: the GPU run starts from probes made on the CPU; the head and its figures come back as saved;
+    a probe made on other features (their statistics differ) is refused, and so is a file holding pickled code."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from encoder import load_probe, save_probe
 
     torch.manual_seed(0)
     head = FeatureHead(6, 3)
+    mean, std = torch.randn(6), torch.rand(6) + 0.5
+    std[2] = math.inf  # a dead dimension (features.moments)
     path = str(tmp_path / "probes" / "p.pt")
-    save_probe(path, {"model": head, "best": 0.75, "final": 0.5, "curve": [(150, 0.75)], "omega": [2.5]})
-    probe = load_probe(path, 6, 3)
+    save_probe(path, {"model": head, "best": 0.75, "final": 0.5, "curve": [(150, 0.75)], "omega": [2.5]}, mean, std)
+    probe = load_probe(path, 6, 3, mean + 1e-6, std)  # the same features computed on another device
     loaded, saved = probe["model"].state_dict(), head.state_dict()
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert (probe["best"], probe["final"], probe["loaded_from"]) == (0.75, 0.5, "p.pt")
-    torch.save({"head": head.state_dict(), "result": {"code": FeatureHead}}, path)  # a pickled class
+    other_std = std.clone()
+    other_std[2] = 1.0
+    for other in ((mean + 0.1, std), (mean, std * 1.1), (mean, other_std), (mean[:5], std[:5])):
+        with pytest.raises(ValueError, match="--probe_dir"):
+            load_probe(path, 6, 3, *other)
+    torch.save({"head": head.state_dict(), "features": {"mean": mean, "std": std}, "result": {"code": FeatureHead}},
+               path)  # a pickled class
     with pytest.raises(pickle.UnpicklingError):
-        load_probe(path, 6, 3)
+        load_probe(path, 6, 3, mean, std)
