@@ -12,7 +12,9 @@ learning rate 0.01. One difference: our client evaluates its B_k directions on o
 (640 images a round over the federation at n_B = 64), where FedES gives each direction its own batch (one epoch a
 round). The directions, their number and the update are the paper's; the estimate averages over fewer examples.
 FedGD (the paper's first-order reference, Fig. 1): ``estimator="first_order"``, each client's gradient on its whole
-6,000 images, the server averaging them (full-batch gradient descent), learning rate 0.01.
+6,000 images, the server averaging them (full-batch gradient descent), learning rate 0.01; on equal-sized clients
+only (``iid``, ``shards``). Under ``dirichlet`` the clients' sizes differ: FedES weights their scalars by size, as the
+paper's rho_k, but every client uses the same number of directions (the paper's B_k = n_k / n_B differs by client).
 
 Splits: ``iid``; non-IID (the paper does not say how its split is made): ``dirichlet`` (label proportions from a
 Dirichlet(1) per client: unequal sizes, the server weighting by them) and ``shards`` (two label shards per client).
@@ -96,18 +98,26 @@ def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: in
                                 num_perturbations=batches_per_client(n_b, per_client))
 
 
-def stem(method: str, split: str, n_b: int, seed: int) -> str:
-    """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``."""
-    return f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
+def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False) -> str:
+    """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``; a smoke
+    run's name starts with ``smoke_`` (its checkpoints never meet a real run's)."""
+    name = f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
+    return "smoke_" + name if smoke else name
 
 
 def last_checkpoint(folder: str) -> str | None:
-    steps = [int(name.split("-")[1]) for name in os.listdir(folder) if name.startswith("checkpoint-")] \
-        if os.path.isdir(folder) else []
+    """The newest complete checkpoint under ``folder`` (``checkpoint-<round>`` holding its ``trainer_state.json``,
+    which the Trainer writes after the weights), or None."""
+    steps = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        step = name.removeprefix("checkpoint-")
+        if name != step and step.isdigit() and os.path.isfile(os.path.join(folder, name, "trainer_state.json")):
+            steps.append(int(step))
     return os.path.join(folder, f"checkpoint-{max(steps)}") if steps else None
 
 
-def run(args) -> dict:
+def run(args, previous: dict | None) -> dict:
+    """Train (or resume) one run until ``--rounds`` or its time; ``previous``: the run's JSON from earlier legs."""
     mnist = load_example("run_mnist_fed")
     train, test = mnist.MNIST(args.data, "train"), mnist.MNIST(args.data, "test")
     per_client = PER_CLIENT
@@ -118,37 +128,35 @@ def run(args) -> dict:
         per_client = 64
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
-    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed))
+    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed, args.smoke))
     zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
                    args.budget_gb, per_client)
     torch.manual_seed(args.seed)
     trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
                                  data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
                                  callbacks=[progress])
-    resume, first = last_checkpoint(folder), os.path.join(folder, "start.json")
-    if resume is None:  # the accuracy before training (train() starts a new history without it)
-        os.makedirs(folder, exist_ok=True)
-        with open(first, "w") as f:
-            json.dump({"eval_accuracy": trainer.evaluate()["eval_accuracy"]}, f)
-    with open(first) as f:
-        start = float(json.load(f)["eval_accuracy"])
+    start = trainer.evaluate()["eval_accuracy"]  # the seeded initial model (train() starts a history without it)
+    resume = last_checkpoint(folder)
     trainer.train(resume_from_checkpoint=resume)
     history = trainer.state.log_history  # restored with a checkpoint: the whole run's
     curve = [(0, start)] + [(e["step"], e["eval_accuracy"]) for e in history if "eval_accuracy" in e]
     rounds, began = trainer.state.global_step, int(resume.rsplit("-", 1)[1]) if resume else 0
     device = next(trainer.model.parameters()).device
+    device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    legs = [leg for leg in (previous or {}).get("legs", []) if leg["to"] <= began] if resume else []
+    legs.append({"device": device, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
     result = {
         "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "clients": CLIENTS,
-        "per_client": per_client, "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "per_client": per_client, "estimator": zo.estimator, "directions": zo.directions,
+        "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()), "device": device,
         "start": start, "max": max(a for _, a in curve), "final": curve[-1][1], "rounds": rounds,
-        "resumed_at": began, "seconds": progress.spent, "ms_per_round": 1000 * progress.spent / max(rounds - began, 1),
-        "curve": curve, "loss": [(e["step"], e["loss"]) for e in history if "loss" in e],
+        "seconds": sum(leg["seconds"] for leg in legs), "ms_per_round": 1000 * progress.spent / max(rounds - began, 1),
+        "legs": legs, "curve": curve, "loss": [(e["step"], e["loss"]) for e in history if "loss" in e],
     }
     print(f"{args.method} {args.split} n_B {args.n_B}: start {start:.3f} max {result['max']:.3f} final "
-          f"{result['final']:.3f} after {rounds} rounds ({result['ms_per_round']:.1f} ms/round on "
-          f"{result['device']})", flush=True)
+          f"{result['final']:.3f} after {rounds} rounds ({result['ms_per_round']:.1f} ms/round on {device}, "
+          f"from round {began})", flush=True)
     return result
 
 
@@ -169,38 +177,56 @@ def main(argv=None):
     parser.add_argument("--report", action="store_true", help="write results/fedes.md from the runs, run nothing")
     parser.add_argument("--smoke", action="store_true", help="10 clients x 64 images, 4 rounds")
     args = parser.parse_args(argv)
-    if args.n_B < 1:
-        parser.error(f"--n_B={args.n_B}: a batch size >= 1.")
+    for name in ("n_B", "rounds", "eval_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: accepted values are integers >= 1.")
+    if args.method == "fedgd" and args.split == "dirichlet":
+        parser.error("--method fedgd --split dirichlet: FedGD's full local batch needs clients of equal size; "
+                     "accepted splits for fedgd: iid, shards.")
     if args.runs_dir is None:
         args.runs_dir = tempfile.mkdtemp(prefix="fedes_smoke_") if args.smoke else os.path.join(RESULTS, "fedes_runs")
     if args.report:
+        if not os.path.isdir(args.runs_dir):
+            parser.error(f"--runs_dir={args.runs_dir!r}: no such folder (nothing has been run there).")
         return report(args.runs_dir, os.path.join(RESULTS, "fedes.md"))
     if args.smoke:
         args.rounds, args.eval_every = min(args.rounds, 4), 2
+    path = os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed, args.smoke) + ".json")
+    previous = None
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+        if previous["rounds"] >= args.rounds:
+            print(f"{path}: finished ({previous['rounds']} rounds); kept as it is.")
+            return previous
     logging.disable(logging.WARNING)
-    result = run(args)
+    result = run(args, previous)
     os.makedirs(args.runs_dir, exist_ok=True)
-    with open(os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed) + ".json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f)
     return result
 
 
 def report(runs_dir: str, path: str) -> list[str]:
-    """Table I's layout from the runs found: per n_B (and FedGD) and split, the best test accuracy, after how many
-    rounds, and on which device; the paper's figure beside it."""
-    runs = {}
+    """Table I's layout from the runs found (smoke runs left out): per n_B (and FedGD) and split, the best test
+    accuracy of each seed, after how many rounds, the mean time per round and the devices; the paper's figure
+    beside it."""
+    runs: dict[tuple, list[dict]] = {}
     for name in sorted(os.listdir(runs_dir)):
-        if name.endswith(".json"):
+        if name.endswith(".json") and not name.startswith("smoke_"):
             with open(os.path.join(runs_dir, name)) as f:
                 r = json.load(f)
-            runs[(r["method"], r["split"], r["n_B"] if r["method"] == "fedes" else None)] = r
+            runs.setdefault((r["method"], r["split"], r["n_B"] if r["method"] == "fedes" else None), []).append(r)
 
     def cell(key):
-        r = runs.get(key)
-        if r is None:
+        if key not in runs:
             return "not run"
-        device = "H100" if "H100" in r["device"] else r["device"]
-        return f"{100 * r['max']:.2f} ({r['rounds']} rounds, {r['ms_per_round'] / 1000:.2f} s/round, {device})"
+        parts = []
+        for r in runs[key]:
+            devices = sorted({"H100" if "H100" in leg["device"] else leg["device"] for leg in r.get("legs", [r])})
+            parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {r['seconds'] / max(r['rounds'], 1):.2f} "
+                         f"s/round, {'+'.join(devices)})")
+        return " / ".join(parts)
 
     lines = ["| method | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | ours dirichlet | "
              "ours shards |", "|---|---|---|---|---|---|---|---|"]
@@ -209,10 +235,11 @@ def report(runs_dir: str, path: str) -> list[str]:
                      f"{non_iid} | {cell(('fedes', 'dirichlet', n_b))} | {cell(('fedes', 'shards', n_b))} |")
     lines.append(f"| FedGD | {PER_CLIENT} | (gradient) | | {cell(('fedgd', 'iid', None))} | | "
                  f"{cell(('fedgd', 'dirichlet', None))} | {cell(('fedgd', 'shards', None))} |")
-    lines += ["", "Test accuracy (%) at every evaluation:", ""]
-    for key, r in runs.items():
-        lines.append(f"- {stem(key[0], key[1], key[2] or 0, r['seed'])}: "
-                     + ", ".join(f"{step}: {100 * acc:.1f}" for step, acc in r["curve"]))
+    lines += ["", "Test accuracy (%) at every evaluation (round: accuracy):", ""]
+    for (method, split, n_b), group in runs.items():
+        for r in group:
+            lines.append(f"- {stem(method, split, n_b or 0, r['seed'])}: "
+                         + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
         f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
                           + lines) + "\n")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from helpers import load_example
 from prompt_helpers import DATA
 
@@ -137,12 +138,30 @@ def test_fedes_smoke_resumes_on_the_same_trajectory(tmp_path):
     _fedes(tmp_path / "resumed", "--rounds", "2")
     resumed = _fedes(tmp_path / "resumed")
     assert straight["parameters"] == 1_863_690 and straight["rounds"] == resumed["rounds"] == 4
-    assert resumed["resumed_at"] == 2 and straight["resumed_at"] == 0
+    assert (straight["estimator"], straight["directions"]) == ("two_point", "per_client")
+    assert [(leg["from"], leg["to"]) for leg in resumed["legs"]] == [(0, 2), (2, 4)]
+    assert [(leg["from"], leg["to"]) for leg in straight["legs"]] == [(0, 4)]
     assert resumed["curve"] == straight["curve"] and resumed["loss"] == straight["loss"]
     assert straight["curve"][-1][1] != straight["start"]  # the model moved
+    again = _fedes(tmp_path / "resumed")  # a finished run started again is kept as it is
+    assert again == resumed
 
 
 def test_fedgd_smoke_is_first_order_full_batch(tmp_path):
     result = _fedes(tmp_path, "--method", "fedgd", "--split", "shards")
-    assert result["method"] == "fedgd" and result["directions_per_client"] is None and result["rounds"] == 4
+    assert result["estimator"] == "first_order" and result["directions_per_client"] is None and result["rounds"] == 4
     assert result["curve"][-1][1] != result["start"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--n_B", "0"], "--n_B=0"), (["--rounds", "0"], "--rounds=0"), (["--eval_every", "-1"], "--eval_every=-1"),
+    (["--method", "fedgd", "--split", "dirichlet"], "accepted splits for fedgd: iid, shards"),
+    (["--split", "random"], "invalid choice: 'random'"),
+])
+def test_fedes_refuses_bad_arguments_before_any_work(argv, message, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import main
+
+    with pytest.raises(SystemExit):
+        main(["--data", "/nonexistent", *argv])
+    assert message in capsys.readouterr().err
