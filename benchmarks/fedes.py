@@ -42,6 +42,7 @@ import time
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -98,11 +99,25 @@ def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: in
                                 num_perturbations=batches_per_client(n_b, per_client))
 
 
-def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False) -> str:
-    """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``; a smoke
-    run's name starts with ``smoke_`` (its checkpoints never meet a real run's)."""
+def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False, inputs: str = "standardized") -> str:
+    """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``; ``_unit``
+    for pixels in [0, 1]; a smoke run's name starts with ``smoke_`` (its checkpoints never meet a real run's)."""
     name = f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
+    name += "_unit" if inputs == "unit" else ""
     return "smoke_" + name if smoke else name
+
+
+class StopWhenDiverged(TrainerCallback):
+    """Ends a run whose evaluation loss is no longer finite (the weights overflowed: the trainer skips such rounds
+    and logs them, but nothing more can be learnt) and records the round in ``diverged_at``."""
+
+    def __init__(self):
+        self.diverged_at = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not math.isfinite(metrics["eval_loss"]):
+            self.diverged_at = state.global_step
+            control.should_training_stop = True
 
 
 def last_checkpoint(folder: str) -> str | None:
@@ -119,7 +134,8 @@ def last_checkpoint(folder: str) -> str | None:
 def run(args, previous: dict | None) -> dict:
     """Train (or resume) one run until ``--rounds`` or its time; ``previous``: the run's JSON from earlier legs."""
     mnist = load_example("run_mnist_fed")
-    train, test = mnist.MNIST(args.data, "train"), mnist.MNIST(args.data, "test")
+    standardized = args.inputs == "standardized"
+    train, test = mnist.MNIST(args.data, "train", standardized), mnist.MNIST(args.data, "test", standardized)
     per_client = PER_CLIENT
     if args.smoke:  # 10 clients of 64 images, 500 test images
         keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[: CLIENTS * 64]
@@ -128,13 +144,14 @@ def run(args, previous: dict | None) -> dict:
         per_client = 64
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
-    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed, args.smoke))
+    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed, args.smoke,
+                                                     args.inputs))
     zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
                    args.budget_gb, per_client)
     torch.manual_seed(args.seed)
     trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
                                  data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
-                                 callbacks=[progress])
+                                 callbacks=[progress, diverged := StopWhenDiverged()])
     start = trainer.evaluate()["eval_accuracy"]  # the seeded initial model (train() starts a history without it)
     resume = last_checkpoint(folder)
     trainer.train(resume_from_checkpoint=resume)
@@ -146,7 +163,8 @@ def run(args, previous: dict | None) -> dict:
     legs = [leg for leg in (previous or {}).get("legs", []) if leg["to"] <= began] if resume else []
     legs.append({"device": device, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
     result = {
-        "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "clients": CLIENTS,
+        "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "inputs": args.inputs,
+        "clients": CLIENTS, "diverged_at": diverged.diverged_at,
         "per_client": per_client, "estimator": zo.estimator, "directions": zo.directions,
         "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
         "parameters": sum(p.numel() for p in trainer.model.parameters()), "device": device,
@@ -166,6 +184,8 @@ def main(argv=None):
     parser.add_argument("--split", default="iid", choices=SPLITS)
     parser.add_argument("--n_B", type=int, default=64, help="FedES batch size n_B (directions = ceil(6000 / n_B))")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--inputs", default="standardized", choices=("standardized", "unit"),
+                        help="pixels (x/255 - 0.1307)/0.3081 or x/255 (the paper does not say)")
     parser.add_argument("--rounds", type=int, default=100_000)
     parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     parser.add_argument("--wall_minutes", type=float, default=None, help="stop at this wall time since start")
@@ -191,12 +211,13 @@ def main(argv=None):
         return report(args.runs_dir, os.path.join(RESULTS, "fedes.md"))
     if args.smoke:
         args.rounds, args.eval_every = min(args.rounds, 4), 2
-    path = os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed, args.smoke) + ".json")
+    path = os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed, args.smoke,
+                                            args.inputs) + ".json")
     previous = None
     if os.path.exists(path):
         with open(path) as f:
             previous = json.load(f)
-        if previous["rounds"] >= args.rounds:
+        if previous["rounds"] >= args.rounds or previous.get("diverged_at") is not None:
             print(f"{path}: finished ({previous['rounds']} rounds); kept as it is.")
             return previous
     logging.disable(logging.WARNING)
@@ -216,7 +237,9 @@ def report(runs_dir: str, path: str) -> list[str]:
         if name.endswith(".json") and not name.startswith("smoke_"):
             with open(os.path.join(runs_dir, name)) as f:
                 r = json.load(f)
-            runs.setdefault((r["method"], r["split"], r["n_B"] if r["method"] == "fedes" else None), []).append(r)
+            n_b = r["n_B"] if r["method"] == "fedes" else None
+            key = (r["method"], r["split"], n_b, r.get("inputs", "standardized"))
+            runs.setdefault(key, []).append(r)
 
     def cell(key):
         if key not in runs:
@@ -224,21 +247,26 @@ def report(runs_dir: str, path: str) -> list[str]:
         parts = []
         for r in runs[key]:
             devices = sorted({"H100" if "H100" in leg["device"] else leg["device"] for leg in r.get("legs", [r])})
-            parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {r['seconds'] / max(r['rounds'], 1):.2f} "
-                         f"s/round, {'+'.join(devices)})")
+            end = f"diverged at round {r['diverged_at']}" if r.get("diverged_at") is not None else \
+                f"{r['seconds'] / max(r['rounds'], 1):.2f} s/round"
+            parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {end}, {'+'.join(devices)})")
         return " / ".join(parts)
 
-    lines = ["| method | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | ours dirichlet | "
-             "ours shards |", "|---|---|---|---|---|---|---|---|"]
-    for n_b, (iid, non_iid) in PAPER.items():
-        lines.append(f"| FedES | {n_b} | {batches_per_client(n_b)} | {iid} | {cell(('fedes', 'iid', n_b))} | "
-                     f"{non_iid} | {cell(('fedes', 'dirichlet', n_b))} | {cell(('fedes', 'shards', n_b))} |")
-    lines.append(f"| FedGD | {PER_CLIENT} | (gradient) | | {cell(('fedgd', 'iid', None))} | | "
-                 f"{cell(('fedgd', 'dirichlet', None))} | {cell(('fedgd', 'shards', None))} |")
+    lines = ["| method | inputs | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | "
+             "ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|"]
+    for inputs in sorted({key[3] for key in runs} | {"standardized"}, reverse=True):
+        for n_b, (iid, non_iid) in PAPER.items():
+            cells = [cell(("fedes", split, n_b, inputs)) for split in SPLITS]
+            if inputs == "standardized" or any(c != "not run" for c in cells):
+                lines.append(f"| FedES | {inputs} | {n_b} | {batches_per_client(n_b)} | {iid} | {cells[0]} | "
+                             f"{non_iid} | {cells[1]} | {cells[2]} |")
+        cells = [cell(("fedgd", split, None, inputs)) for split in SPLITS]
+        if inputs == "standardized" or any(c != "not run" for c in cells):
+            lines.append(f"| FedGD | {inputs} | {PER_CLIENT} | (gradient) | | {cells[0]} | | {cells[1]} | {cells[2]} |")
     lines += ["", "Test accuracy (%) at every evaluation (round: accuracy):", ""]
-    for (method, split, n_b), group in runs.items():
+    for (method, split, n_b, inputs), group in runs.items():
         for r in group:
-            lines.append(f"- {stem(method, split, n_b or 0, r['seed'])}: "
+            lines.append(f"- {stem(method, split, n_b or 0, r['seed'], inputs=inputs)}: "
                          + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
         f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
