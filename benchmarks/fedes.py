@@ -254,7 +254,7 @@ def report(runs_dir: str, path: str) -> list[str]:
 
     lines = ["| method | inputs | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | "
              "ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|"]
-    for inputs in sorted({key[3] for key in runs} | {"standardized"}, reverse=True):
+    for inputs in sorted({key[3] for key in runs} | {"standardized"}, key=lambda name: name != "standardized"):
         for n_b, (iid, non_iid) in PAPER.items():
             cells = [cell(("fedes", split, n_b, inputs)) for split in SPLITS]
             if inputs == "standardized" or any(c != "not run" for c in cells):
