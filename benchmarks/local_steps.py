@@ -3,9 +3,11 @@ examples, nu = 1, two forwards per direction, in one run with the rows interleav
 
     python benchmarks/local_steps.py               # target: K = 8 round <= 1.3 x 8 x the K = 1 round
 
-Rows: K = 1; K = 8 with the clients' local models kept (``zo_cache_budget_gb`` 1, the default); K = 8 with them
-regenerated from their terms at every forward (budget 0, the path before). Printed: best seconds per round,
-the median over rounds of the ratio to 8 x K = 1, generator passes per round (units of d).
+Rows (``zo_cache_budget_gb`` 1, the default, unless said): K = 1 and K = 8 with ``zo_schedule="auto"`` (K = 8: the
+clients' local models kept and, after the first step, all clients in one forward: ``simulation.BatchedClients.
+stacked_clients``); K = 8 with ``two_forwards`` (local models kept, one forward per client); K = 8 with them
+regenerated from their terms at every forward (``two_forwards``, budget 0, the first path). Printed: best seconds
+per round, the median over rounds of the ratio to 8 x K = 1, generator passes per round (units of d).
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ def main(argv=None):
     d = sum(p.numel() for p in model.parameters())
     k = args.steps
     print(f"# local steps: BERT {d / 1e6:.1f}M ({source}); {machine()}; 4 clients x 4 examples, {args.seq_len} "
-          f"tokens, nu = 1, two_forwards; {args.repeats} rounds of all rows in turn")
+          f"tokens, nu = 1; {args.repeats} rounds of all rows in turn")
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"K = 1": (1, 1.0), f"K = {k}, local models kept": (k, 1.0),
-                    f"K = {k}, regenerated (budget 0)": (k, 0.0)}
+        settings = {"K = 1": (1, 1.0, "auto"), f"K = {k}, clients stacked (auto)": (k, 1.0, "auto"),
+                    f"K = {k}, local models kept, client by client": (k, 1.0, "two_forwards"),
+                    f"K = {k}, regenerated (budget 0)": (k, 0.0, "two_forwards")}
         rows, passes = {}, {}
-        for name, (steps, budget) in settings.items():
-            trainer, inputs = build(model, 4, 4, args.seq_len, tmp, zo_schedule="two_forwards", local_steps=steps,
+        for name, (steps, budget, schedule) in settings.items():
+            trainer, inputs = build(model, 4, 4, args.seq_len, tmp, zo_schedule=schedule, local_steps=steps,
                                     local_learning_rate=1e-7, zo_cache_budget_gb=budget)
             rows[name] = (lambda t=trainer, i=inputs: ours(t, model, i))
             start = COUNTER.drawn

@@ -102,6 +102,27 @@ def test_every_path_of_the_generator_gives_the_same_bits(dtype, monkeypatch):
     assert not torch.equal(fused, param)
 
 
+@pytest.mark.parametrize("generator", [CounterDirections(), CounterDirections("rademacher"), TorchDirections()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_of_a_sum_and_sums_into_kept_memory_are_the_same_bits(generator, dtype):
+    """``perturb_rows`` (an embedding's rows only, from kept directions) is ``perturb(...)[rows]`` and ``total``
+    written into ``out`` is ``total``, bit for bit, for one term and several; rows repeated and out of order."""
+    param = torch.randn(50, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    rows = torch.tensor([7, 0, 49, 7, 13])
+    for terms in ([(direction_seed(2, 0, 1, 0), 1e-3)],
+                  [(direction_seed(2, 0, 1, r), c) for r, c in enumerate((1e-3, -0.7, 2.5))]):
+        whole = generator.perturb(param, 3, terms)
+        cache = {}
+        got = generator.perturb_rows(param, 3, terms, rows, cache)
+        assert torch.equal(_bits(got), _bits(whole[rows]))
+        assert torch.equal(_bits(generator.perturb_rows(param, 3, terms, rows)), _bits(whole[rows]))  # no cache
+        out = torch.empty_like(param)
+        written = generator.total(param, 3, terms, cache, out=out)
+        assert written.data_ptr() == out.data_ptr()
+        assert torch.equal(_bits(written), _bits(generator.total(param, 3, terms)))
+    assert torch.equal(generator.perturb_rows(param, 3, [], rows, {}), param[rows])
+
+
 def test_gaussian_moments_tails_and_independence():
     n = 1 << 22
     z = counter_stream(tensor_seed(direction_seed(0, 0, 1, 0), 0), n, "gaussian").double()

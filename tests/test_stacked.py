@@ -100,10 +100,14 @@ def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path,
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     # nu = 4, 3 rounds: one at a time 3 draws per direction (+mu, -mu, update); stacked 2 (both signs, update).
     # Round 1 runs one at a time (8), checks stacking (4), updates (4); rounds 2-3 stack (4) and update (4); with
-    # per-client directions, each of the 4 clients draws its own
+    # per-client directions, each of the 4 clients draws its own, and round 1's one-at-a-time evaluations (clients
+    # at w + mu z_i: different models) stack the clients once checked: direction 1 draws for the client-by-client
+    # check and the stacked forward (2), directions 2-4 once for both signs (1 each): 5 instead of 8
     bases = 4 if directions == "per_client" else 1
     assert reference_passes == bases * 3 * 4 * 3
-    assert passes == bases * (8 + 4 + 4 + 2 * (4 + 4))
+    first = 5 if directions == "per_client" else 8
+    assert passes == bases * (first + 4 + 4 + 2 * (4 + 4))
+    assert trainer.schedule.stack_clients is (True if directions == "per_client" else None)  # None: never needed
 
 
 def test_auto_does_not_stack_a_bert(tmp_path):
@@ -112,3 +116,101 @@ def test_auto_does_not_stack_a_bert(tmp_path):
     trainer = make_trainer(model, TextDataset(tokenizer, 24), tmp_path, collate(tokenizer), max_steps=1)
     trainer.train()
     assert trainer.schedule.stack is False  # its first owners are embeddings: no shared matrix product
+
+
+# --- the clients' different local models in one forward (K > 1: ``BatchedClients.stacked_clients``) ---
+
+
+def _bert_run(tmp_path, tokenizer, schedule, **kwargs):
+    model = tiny_bert(vocab_size=tokenizer.vocab_size).double()
+    settings = dict(max_steps=2, num_clients=3, per_device_train_batch_size=4, local_steps=3, local_learning_rate=0.5,
+                    learning_rate=0.1, logging_steps=1, zo_schedule=schedule)
+    settings.update(kwargs)
+    trainer = make_trainer(model, TextDataset(tokenizer, 48), tmp_path, collate(tokenizer), **settings)
+    start = COUNTER.drawn
+    trainer.train()
+    return trainer, model, (COUNTER.drawn - start) / ParameterTable(model).numel
+
+
+@pytest.mark.parametrize("num_perturbations", [1, 2])
+def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, num_perturbations):
+    """After the first local step the 3 clients hold different models; auto evaluates them in one forward (a
+    batched product per linear layer, the rows each client reads of each embedding table): the same rounds as one
+    forward per client (float64), with each step's direction drawn once for all clients."""
+    tokenizer = wordpiece_tokenizer()  # one for both runs: their examples must be the same tokens
+    trainer, model, passes = _bert_run(tmp_path / "auto", tokenizer, "auto", num_perturbations=num_perturbations)
+    reference, reference_model, reference_passes = _bert_run(tmp_path / "ref", tokenizer, "two_forwards",
+                                                             num_perturbations=num_perturbations)
+    assert trainer.schedule.stack_clients is True and reference.schedule.stack_clients is False
+    got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
+    expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    for a, b in zip(ParameterTable(model).params, ParameterTable(reference_model).params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)  # a batched product rounds as it does
+    assert passes < reference_passes
+
+
+def test_stacked_clients_equal_perturbed_forwards_at_their_local_models():
+    """``stacked(..., bases, per_group_products=True)`` against one plain perturbed forward per client at
+    ``base_i + terms_i``, float64, each client on its own rows; tied and frozen parameters included."""
+    tokenizer = wordpiece_tokenizer()
+    model = tiny_bert(vocab_size=tokenizer.vocab_size).double()
+    model.bert.encoder.layer[0].attention.self.query.bias.requires_grad_(False)  # a frozen bias of a trainable layer
+    table = ParameterTable(model)
+    batch = collate(tokenizer)([TextDataset(tokenizer, 6)[i] for i in range(6)])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    seeds = [direction_seed(3, 0, 1, r) for r in range(2)]
+    bases = [torch.stack([p.detach() + 0.01 * g * torch.randn_like(p) for g in range(3)]) for p in table.params]
+    groups = [[(seeds[0], 1e-2 * (g + 1)), (seeds[1], -0.3)] for g in range(3)]
+    with torch.no_grad(), stacked(table, groups, 2, bases=bases, cache={}, per_group_products=True, scratch={}):
+        got = model(**inputs).logits
+    expected = []
+    for g in range(3):
+        part = {k: v[2 * g : 2 * g + 2] for k, v in inputs.items()}
+        with torch.no_grad(), perturbed(table, groups[g], base=[b[g] for b in bases]):
+            expected.append(model(**part).logits)
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-12, atol=1e-12)
+    # the same groups sharing their terms: one broadcast sum per linear layer, into the kept scratch
+    shared = [groups[0]] * 3
+    scratch = {}
+    for _ in range(2):  # the second forward reuses the scratch memory
+        with torch.no_grad(), stacked(table, shared, 2, bases=bases, cache={}, per_group_products=True,
+                                      scratch=scratch):
+            again = model(**inputs).logits
+    expected = []
+    for g in range(3):
+        part = {k: v[2 * g : 2 * g + 2] for k, v in inputs.items()}
+        with torch.no_grad(), perturbed(table, shared[g], base=[b[g] for b in bases]):
+            expected.append(model(**part).logits)
+    torch.testing.assert_close(again, torch.cat(expected), rtol=1e-12, atol=1e-12)
+    assert scratch  # the linear layers' stacked weights were kept
+    assert all(torch.equal(a, b) for a, b in zip(ParameterTable(model).params, table.params, strict=True))
+
+
+class BatchCentred(torch.nn.Module):
+    """Mixes examples: subtracts the batch mean of its input (a BatchNorm-like layer without parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 2)
+
+    def forward(self, x, labels=None):
+        h = x - x.mean(dim=0, keepdim=True)
+        return {"logits": self.linear(h)}
+
+
+def test_clients_not_stacked_when_the_stacked_forward_differs(tmp_path):
+    """A model whose output depends on the other examples of the batch gives other losses when the clients
+    are stacked: the check at the first local step refuses it, and the run equals client by client."""
+    runs = {}
+    for schedule in ("auto", "two_forwards"):
+        torch.manual_seed(0)
+        model = BatchCentred().double()
+        trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path / schedule, max_steps=2,
+                               num_clients=3, per_device_train_batch_size=4, local_steps=3, local_learning_rate=0.5,
+                               logging_steps=1, zo_schedule=schedule)
+        trainer.train()
+        runs[schedule] = (trainer, [p.detach().clone() for p in model.parameters()])
+    assert runs["auto"][0].schedule.stack_clients is False
+    for a, b in zip(runs["auto"][1], runs["two_forwards"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

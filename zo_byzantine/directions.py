@@ -175,8 +175,10 @@ class Directions:
         """``z_index`` of direction ``seed``, shaped like ``like``, on its device."""
         raise NotImplementedError
 
-    def total(self, like: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
-        """``sum_k c_k z_k[index]`` in ``like``'s dtype. ``cache`` (a dict): each ``z`` drawn once, kept there."""
+    def total(self, like: torch.Tensor, index: int, terms: Terms, cache: dict | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_k c_k z_k[index]`` in ``like``'s dtype. ``cache`` (a dict): each ``z`` drawn once, kept there.
+        ``out``: a tensor like ``like`` to write the sum into (no new memory for it; not for no terms)."""
         raise NotImplementedError
 
     def perturb(self, param: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> torch.Tensor:
@@ -186,6 +188,18 @@ class Directions:
     def step_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, cache: dict | None = None) -> None:
         """In place: ``param <- param - lr sum_k c_k z_k[index]``; the only write to the weights."""
         raise NotImplementedError
+
+    def perturb_rows(self, source: torch.Tensor, index: int, terms: Terms, rows: torch.Tensor,
+                     cache: dict | None = None) -> torch.Tensor:
+        """``perturb(source, index, terms, cache)[rows]``, summing only those rows (an embedding table's rows a
+        forward reads): the kept directions (``cache``; drawn whole once) are gathered and summed by the same
+        elementwise arithmetic, so the values are the same bits."""
+        if not terms:
+            return source[rows]
+        if cache is None:
+            return self.perturb(source, index, terms)[rows]
+        gathered = {(seed, index): self._cached(source, seed, index, cache)[rows] for seed, _ in terms}
+        return self.perturb(source[rows], index, terms, gathered)
 
     def _cached(self, like, seed, index, cache):
         if cache is None:
@@ -208,10 +222,13 @@ class TorchDirections(Directions):
         COUNTER.add(like.numel())
         return torch.randn(like.shape, generator=generator, dtype=like.dtype).to(like.device)
 
-    def total(self, like, index, terms, cache=None):
+    def total(self, like, index, terms, cache=None, out=None):
         result = None
         for seed, coeff in terms:
             z = self._cached(like, seed, index, cache)
+            if result is None and out is not None:
+                result = torch.mul(z, coeff, out=out)
+                continue
             z = z if cache is None else z.clone()
             if result is None:
                 result = z.mul_(coeff)
@@ -273,13 +290,16 @@ class CounterDirections(Directions):
                              "cannot be perturbed by it (train real parameters, e.g. through view_as_real).")
         return param
 
-    def _accumulate(self, like, index, terms, cache):
+    def _accumulate(self, like, index, terms, cache, out=None):
         if not terms:
             return torch.zeros_like(like)
         ct, acc = self._compute_type(self._real(like)), None
         for seed, coeff in terms:
-            term = self._cached(like, seed, index, cache).to(ct) * coeff
-            acc = term if acc is None else acc + term
+            z = self._cached(like, seed, index, cache).to(ct)
+            if acc is None:
+                acc = z * coeff if out is None or out.dtype != ct else torch.mul(z, coeff, out=out)
+            else:
+                acc = acc.add_(z * coeff) if acc is out else acc + z * coeff
         return acc
 
     def _fused(self, base: torch.Tensor, out: torch.Tensor, index: int, terms: Terms) -> None:
@@ -287,8 +307,8 @@ class CounterDirections(Directions):
         native.combine(base, out, [tensor_seed(s, index) for s, _ in terms], [float(c) for _, c in terms],
                        self.distribution == "gaussian")
 
-    def total(self, like, index, terms, cache=None):
-        return self._accumulate(like, index, terms, cache).to(like.dtype)
+    def total(self, like, index, terms, cache=None, out=None):
+        return self._accumulate(like, index, terms, cache, out).to(like.dtype)
 
     def _kernel_sum(self, base: torch.Tensor, index: int, terms: Terms, in_place: bool) -> torch.Tensor:
         """``dtype(T(base) + sum_k c_k z_k)`` by the kernel, into ``base`` itself when ``in_place``."""

@@ -242,25 +242,59 @@ def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], 
     return stacked_y.reshape(count * x.shape[0], *stacked_y.shape[2:])
 
 
+def _buffer(scratch: dict | None, key, like: torch.Tensor) -> torch.Tensor | None:
+    """A kept tensor shaped like ``like`` (``None`` without ``scratch``: the operation allocates)."""
+    if scratch is None:
+        return None
+    if key not in scratch or scratch[key].shape != like.shape or scratch[key].dtype != like.dtype:
+        scratch[key] = torch.empty_like(like)
+    return scratch[key]
+
+
+def _linear_per_group(module: nn.Linear, x: torch.Tensor, count: int, weights) -> torch.Tensor:
+    """``x_g W_g^T + b_g`` for the ``count`` groups' slices ``x_g`` of a stacked input, in one batched matrix
+    product. ``weights(name)``: the groups' values of parameter ``name`` stacked ``[G, ...]``."""
+    x3 = x.reshape(count, -1, x.shape[-1])
+    weight = weights("weight").transpose(1, 2)
+    y = torch.bmm(x3, weight) if module.bias is None else torch.baddbmm(weights("bias").unsqueeze(1), x3, weight)
+    return y.reshape(*x.shape[:-1], module.out_features)
+
+
+def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, rows_of) -> torch.Tensor:
+    """Each group's lookup of its slice of ``ids`` in its own table, of which only the rows it reads are formed:
+    ``rows_of(g, used) -> [len(used), dim]``."""
+    parts = ids.reshape(count, -1)
+    out = []
+    for g in range(count):
+        used, inverse = parts[g].unique(return_inverse=True)
+        out.append(nn.functional.embedding(inverse, rows_of(g, used)))
+    return torch.stack(out).reshape(*ids.shape, module.embedding_dim)
+
+
 @contextlib.contextmanager
-def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict | None = None):
+def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict | None = None,
+            bases: list | None = None, cache: dict | None = None, per_group_products: bool = False,
+            scratch: dict | None = None):
     """Forwards evaluate ``G = len(groups)`` models at once: group ``g`` at ``w + sum groups[g]``, its
     outputs stacked group-major (leading dimension ``G * rows``); each owning module draws a direction once
     for all groups.
 
-    Each owning module runs its own forward once per group, with that group's weights, on its input's
-    ``g``-th slice when the leading dimension is ``G * rows`` (stacked), else on the whole input (shared by
-    the groups: a plain ``nn.Linear`` then makes one matrix product for all groups; an output of leading
-    dimension 1, from a broadcast input, is expanded to ``rows``). This assumes modules keep the examples
-    as the leading dimension; callers check the result against plain forwards once. ``usage``: counts the
-    shared matrix products under ``"shared_products"``.
+    ``bases`` (per parameter ``j`` a tensor ``[G, ...]``, no gradients): group ``g`` is evaluated at
+    ``bases[j][g] + sum groups[g]`` instead (the clients' local models, as ``base`` in :func:`perturbed`).
+    ``cache``: directions kept by seed for all modules (else each module keeps its own for the call).
+    ``per_group_products``: on a stacked input, a plain ``nn.Linear`` makes one batched matrix product over the
+    groups and a plain ``nn.Embedding`` forms only the rows each group reads, instead of running once per group
+    (the clients' different models in one forward). ``scratch``: a dict that keeps the memory of those stacked
+    weights from one forward to the next (a fresh allocation costs more than the sum written into it).
     """
     owned_by = {id(module): owned for module, owned in table.owners}
     tied: dict = {}  # tied parameters' directions, drawn once for all their owners
     directions, count = table.directions, len(groups)
 
     def wrap(module, forward):
-        plain_linear = type(module).forward is nn.Linear.forward and "forward" not in module.__dict__
+        plain = "forward" not in module.__dict__
+        plain_linear = type(module).forward is nn.Linear.forward and plain
+        plain_embedding = type(module).forward is nn.Embedding.forward and plain and module.max_norm is None
 
         def group_forward(*args, **kwargs):
             owned = owned_by[id(module)]
@@ -269,13 +303,34 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
             for _, index in owned:
                 table.reached.add(index)
 
-            cache_of = {name: (index, tied if index in table.tied else kept) for name, index in owned}
+            cache_of = {name: (index, cache if cache is not None else tied if index in table.tied else kept)
+                        for name, index in owned}
 
-            def shifted(name: str, terms: Terms) -> torch.Tensor:
+            def source(name: str, g: int | None) -> torch.Tensor:
+                return originals[name] if g is None or bases is None else bases[cache_of[name][0]][g]
+
+            def shifted(name: str, terms: Terms, g: int | None = None) -> torch.Tensor:
                 if name not in cache_of:  # a frozen parameter of the module
                     return getattr(module, name)
-                index, cache = cache_of[name]
-                return directions.perturb(originals[name], index, terms, cache)
+                index, kept_draws = cache_of[name]
+                start = source(name, g)
+                if not terms and start is not originals[name]:
+                    return start.to(originals[name].dtype)
+                return directions.perturb(start, index, terms, kept_draws).to(originals[name].dtype)
+
+            def stacked_weights(name: str) -> torch.Tensor:
+                if bases is not None and name in cache_of and all(terms == groups[0] for terms in groups):
+                    # the groups' local models plus one shared sum, in one broadcast add (perturb's arithmetic)
+                    index, kept_draws = cache_of[name]
+                    total = directions.total(originals[name], index, groups[0], kept_draws,
+                                             out=_buffer(scratch, (index, "sum"), originals[name]))
+                    return torch.add(bases[index], total, out=_buffer(scratch, (index, "stacked"), bases[index]))
+                return torch.stack([shifted(name, groups[g], g) for g in range(count)])
+
+            def rows_of(g: int, used: torch.Tensor) -> torch.Tensor:
+                index, kept_draws = cache_of["weight"]
+                return directions.perturb_rows(source("weight", g), index, groups[g], used,
+                                               kept_draws).to(originals["weight"].dtype)
 
             def drawn(name: str, seed: int) -> torch.Tensor:
                 if name not in cache_of:
@@ -284,7 +339,7 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                 return directions.total(originals[name], index, [(seed, 1.0)], cache)
 
             def weights(g: int) -> dict:
-                return {name: shifted(name, groups[g]) for name, _ in owned}
+                return {name: shifted(name, groups[g], g) for name, _ in owned}
 
             def run(g: int, call_args, call_kwargs):
                 module._parameters.update(weights(g))
@@ -301,6 +356,11 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                     return forward(*args, **kwargs)
                 tensors = [v for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0]
                 if any(v.shape[0] == count * rows for v in tensors):
+                    single = len(args) == 1 and not kwargs and torch.is_tensor(args[0])
+                    if per_group_products and single and plain_linear and args[0].dim() > 1:
+                        return _linear_per_group(module, args[0], count, stacked_weights)
+                    if per_group_products and single and plain_embedding and "weight" in cache_of:
+                        return _embedding_per_group(module, args[0], count, rows_of)
                     return _stack_outputs([run(g, [_part(a, count, rows, g) for a in args],
                                                {k: _part(v, count, rows, g) for k, v in kwargs.items()})
                                            for g in range(count)], rows)

@@ -49,16 +49,18 @@ class Schedule:
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
         self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
         self.stack_rows = 0  # examples x models of one stacked forward (from the probe, when stacked)
+        self.stack_clients = None if name == "auto" else False  # clients' local models in one forward: checked once
 
     def _fits(self, table: ParameterTable, copies: int) -> bool:
         return copies * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
 
     def keeps_local_models(self, table: ParameterTable, num_clients: int) -> bool:
-        """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each) fit
-        ``cache_budget_gb``: then local steps advance each client's model instead of regenerating its terms."""
+        """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each, and one
+        scratch copy) fit ``cache_budget_gb``: then local steps advance each client's model instead of
+        regenerating its terms."""
         if any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
             return False  # a half-precision local model would be rounded at every step
-        return self._fits(table, num_clients)
+        return self._fits(table, num_clients + 1)
 
     def resolve(self, table: ParameterTable, num_directions: int) -> str:
         """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters."""
@@ -74,30 +76,45 @@ class Schedule:
 
 
 class LocalModels:
-    """Each client's local model within a round, ``w_i = w + sum_k c_{i,k} z_k`` (its earlier local steps), kept
-    as tensors and advanced by the terms added since the last call: a forward at local step ``l`` then draws its
-    perturbation only (``nu`` terms per advance), not the ``l nu`` terms of its model (SPEC 1.5). Equal to the
-    regenerated sum up to rounding (the sum is accumulated in a different order)."""
+    """The clients' local models within a round, ``w_i = w + sum_k c_{i,k} z_k`` (their earlier local steps), kept
+    as one tensor ``[m, ...]`` per parameter and advanced in place by the terms added since the last call: a
+    forward at local step ``l`` then draws its perturbation only (``nu`` terms per advance), not the ``l nu``
+    terms of its model (SPEC 1.5); with shared directions each is drawn once for all clients (``cache``). Equal to
+    the regenerated sum up to rounding (the sum is accumulated in a different order). Memory: two copies of the
+    weights per client at most (the models, and the sums written into one scratch copy and, when the clients are
+    stacked, into a stacked module's weights)."""
 
-    def __init__(self, table: ParameterTable, cache: dict | None = None):
-        self.table, self.cache = table, cache
-        self.held: dict[int, tuple[tuple, list[torch.Tensor]]] = {}  # client -> (its terms, its weights)
+    def __init__(self, table: ParameterTable, num_clients: int, cache: dict):
+        self.table, self.m, self.cache = table, num_clients, cache
+        self.held: list[tuple] = [() for _ in range(num_clients)]  # the terms each client's weights hold
+        self.weights: list[torch.Tensor] | None = None  # per parameter [m, ...]
+        self.scratch: list[torch.Tensor] | None = None  # per parameter, one copy
 
-    def base(self, client: int, terms: Terms) -> list[torch.Tensor] | None:
-        """Client ``client``'s weights ``w + sum terms``, or ``None`` when ``terms`` is empty (``w`` itself)."""
-        terms = tuple(terms)
-        if not terms:
+    def advance(self, terms_per_client: list[Terms]) -> list[torch.Tensor] | None:
+        """Every client's weights ``w + sum terms_i`` (per parameter ``[m, ...]``), or ``None`` when all terms are
+        empty (``w`` itself)."""
+        terms_per_client = [tuple(terms) for terms in terms_per_client]
+        if not any(terms_per_client):
             return None
-        held, weights = self.held.get(client, ((), None))
-        if terms[: len(held)] != held:  # not an extension of the model held: start again from w
-            held, weights = (), None
-        new = list(terms[len(held):])
-        if new:
-            directions = self.table.directions
-            sources = weights or [p.detach() for p in self.table.params]
-            weights = [directions.perturb(w, j, new, self.cache) for j, w in enumerate(sources)]
-            self.held[client] = (terms, weights)
-        return weights
+        params = [p.detach() for p in self.table.params]
+        if self.weights is None:
+            self.weights = [p.unsqueeze(0).repeat(self.m, *[1] * p.dim()) for p in params]
+        new = []
+        for i, terms in enumerate(terms_per_client):
+            if terms[: len(self.held[i])] != self.held[i]:  # not an extension of the model held: start again from w
+                for w, p in zip(self.weights, params, strict=True):
+                    w[i].copy_(p)
+                self.held[i] = ()
+            new.append(list(terms[len(self.held[i]):]))
+            self.held[i] = terms
+        if self.scratch is None:
+            self.scratch = [torch.empty_like(p) for p in params]  # each sum is written here: no new memory per step
+        directions = self.table.directions
+        for j, (w, scratch) in enumerate(zip(self.weights, self.scratch, strict=True)):
+            for i, terms in enumerate(new):
+                if terms:
+                    w[i].add_(directions.total(scratch, j, terms, self.cache, out=scratch))
+        return self.weights
 
 
 def _tensor_bytes(value) -> int:
@@ -148,7 +165,12 @@ class BatchedClients:
         self.model, self.table, self.inputs = model, table, inputs
         self.m, self.batch, self.forward, self.schedule = num_clients, batch, forward, schedule
         self.chunk, self.context, self.cache = forward_batch_size, context, cache
-        self.local = LocalModels(table, cache) if schedule.keeps_local_models(table, num_clients) else None
+        # the directions of the latest local step, drawn once for all clients' forwards and advances (stacked
+        # clients, or the local models' advances), dropped when no client needs them any more
+        self.recent: dict = {}
+        self.scratch: dict = {}  # the stacked weights' memory, kept from one forward to the next
+        keeps = schedule.keeps_local_models(table, num_clients)
+        self.local = LocalModels(table, num_clients, cache if cache is not None else self.recent) if keeps else None
         self.rows = torch.arange(num_clients, device=next(v for v in inputs.values() if torch.is_tensor(v)).device)
         self.rows = self.rows.repeat_interleave(batch)
 
@@ -189,19 +211,74 @@ class BatchedClients:
         return plus.cpu(), minus.cpu()
 
     def losses(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
-        """One batched evaluation when all clients share their terms, else one per client (float64, on CPU);
-        then, with local models kept, client ``i`` is evaluated at its model ``w + terms[:-1]`` plus the last
-        term."""
+        """One batched evaluation when all clients share their terms, else (float64, on CPU) with local models
+        kept client ``i`` is evaluated at its model ``w + terms[:-1]`` plus the last term: all clients in one
+        forward when stacking clients was chosen (:meth:`stacked_clients`), else one forward per client."""
         first = terms_per_client[0]
         if all(terms == first for terms in terms_per_client):
             return self.batched_losses(self.inputs, self.rows, self.m, first, cache).cpu()
+        if cache is None and self._may_stack_clients():
+            if self.schedule.stack_clients is None:
+                return self.checked_client_stacking(terms_per_client)
+            return self.stacked_clients(terms_per_client)
+        return self.client_by_client(terms_per_client, cache)
+
+    def _may_stack_clients(self) -> bool:
+        """Stacking clients needs their local models (and scratch), the directions of the latest two steps and
+        the stacked weights of the linear layers (one copy per client, one scratch) in the budget, and all
+        examples in one forward."""
+        split = self.chunk and self.chunk < _rows(self.inputs)
+        if self.schedule.stack_clients is False or self.local is None or split:
+            return False
+        size = [p.numel() * p.element_size() for p in self.table.params]
+        linear = {index for module, owned in self.table.owners if isinstance(module, torch.nn.Linear)
+                  for _, index in owned}
+        needed = (self.m + 3) * sum(size) + (self.m + 1) * sum(size[j] for j in linear)
+        return needed <= self.schedule.cache_budget_gb * 2**30
+
+    def _bases(self, terms_per_client: list) -> tuple[list[torch.Tensor] | None, list]:
+        """The clients' local models ``w + terms_i[:-1]`` (per parameter ``[m, ...]``; ``None``: all at ``w``) and
+        the terms left to add on them; the recent directions no client still needs are dropped."""
+        bases = self.local.advance([terms[:-1] for terms in terms_per_client])
+        rest = terms_per_client if bases is None else [terms[-1:] for terms in terms_per_client]
+        needed = {seed for terms in rest for seed, _ in terms}
+        for key in [k for k in self.recent if k[0] not in needed]:
+            del self.recent[key]
+        return bases, rest
+
+    def stacked_clients(self, terms_per_client: list) -> torch.Tensor:
+        """Client ``i`` at ``w + sum terms_i`` for all clients in one forward of the stacked batch: each linear
+        layer one batched product over the clients' weights, each embedding only the rows a client reads."""
+        bases, rest = self._bases(terms_per_client)
+        with stacked(self.table, rest, self.batch, bases=bases, cache=self.recent, per_group_products=True,
+                     scratch=self.scratch), self.context():
+            sums, counts = self.forward(self.model, self.inputs)
+        return client_losses(sums, counts, self.rows, self.m).cpu()
+
+    def checked_client_stacking(self, terms_per_client: list) -> torch.Tensor:
+        """At the first step whose clients hold different models: the stacked losses if they give the
+        client-by-client ones (then used from here on), else those."""
+        reference = self.client_by_client(terms_per_client)
+        self.schedule.stack_clients = False  # unless the check below passes
+        try:
+            candidate = self.stacked_clients(terms_per_client)
+        except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
+            logger.info("zo_schedule='auto': clients not stacked (%s: %s).", type(err).__name__, err)
+            return reference
+        agrees = torch.allclose(candidate, reference, rtol=1e-4, atol=1e-6)
+        self.schedule.stack_clients = bool(agrees)
+        logger.info("zo_schedule='auto': clients' local models %s.", "stacked in one forward" if agrees else
+                    "not stacked (the stacked forward does not give the client-by-client losses)")
+        # as for stacked directions: the checking step returns what every later step computes
+        return candidate if agrees else reference
+
+    def client_by_client(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
+        """One forward per client at ``w + sum terms_i`` (its local model plus the last term when kept)."""
+        bases, rest = self._bases(terms_per_client) if self.local is not None else (None, terms_per_client)
         one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-        each = []
-        for i, terms in enumerate(terms_per_client):
-            base = None
-            if self.local is not None and len(terms) > 1:
-                base, terms = self.local.base(i, terms[:-1]), terms[-1:]
-            each.append(self.batched_losses(self.client_inputs(i), one, 1, terms, cache, base))
+        each = [self.batched_losses(self.client_inputs(i), one, 1, terms, cache,
+                                    None if bases is None else [w[i] for w in bases])
+                for i, terms in enumerate(rest)]
         return torch.cat(each).cpu()
 
     def loss_pairs(self, offsets: list, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
