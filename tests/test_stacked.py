@@ -133,10 +133,15 @@ def _bert_run(tmp_path, tokenizer, schedule, **kwargs):
 
 
 @pytest.mark.parametrize("num_perturbations", [1, 2])
-def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, num_perturbations):
+def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, monkeypatch, num_perturbations):
     """After the first local step the 3 clients hold different models; auto evaluates them in one forward (a
     batched product per linear layer, the rows each client reads of each embedding table): the same rounds as one
-    forward per client (float64), with each step's direction drawn once for all clients."""
+    forward per client (float64), with each step's direction drawn once for all clients. From the second round
+    the embedding tables' local models are kept at the rows each client reads."""
+    calls = []
+    by_rows = simulation.LocalModels.perturbed_rows
+    monkeypatch.setattr(simulation.LocalModels, "perturbed_rows",
+                        lambda self, *a: calls.append(a[0]) or by_rows(self, *a))
     tokenizer = wordpiece_tokenizer()  # one for both runs: their examples must be the same tokens
     trainer, model, passes = _bert_run(tmp_path / "auto", tokenizer, "auto", num_perturbations=num_perturbations)
     reference, reference_model, reference_passes = _bert_run(tmp_path / "ref", tokenizer, "two_forwards",
@@ -148,6 +153,48 @@ def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, num
     for a, b in zip(ParameterTable(model).params, ParameterTable(reference_model).params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)  # a batched product rounds as it does
     assert passes < reference_passes
+    names = ParameterTable(model).names
+    assert {names[j] for j in calls} == {f"bert.embeddings.{e}_embeddings.weight" for e in ("word", "position",
+                                                                                          "token_type")}
+
+
+def test_local_models_kept_by_rows_are_the_bits_of_whole_ones():
+    """``LocalModels`` with the embedding tables kept at the rows read: those rows plus a last term are the bits
+    of the whole local model's, every other tensor is the same, and ``materialize`` gives the whole tensors."""
+    model = tiny_bert(vocab_size=60)
+    table = ParameterTable(model)
+    rows_only = simulation.rows_only_parameters(table)
+    assert {table.names[j] for j in rows_only} == {f"bert.embeddings.{e}_embeddings.weight"
+                                                   for e in ("word", "position", "token_type")}
+    whole, by_rows = simulation.LocalModels(table, 3, {}), simulation.LocalModels(table, 3, {}, rows_only)
+    seeds = [direction_seed(4, 0, step, 0) for step in range(4)]
+    rows = [torch.tensor([0, 5, 17, 59]), torch.tensor([1]), torch.tensor([0, 2, 3])]
+    for step in range(1, 4):
+        prefix = [[(seeds[k], 0.1 * (i + 1) * (-1) ** k) for k in range(step)] for i in range(3)]
+        full, kept = whole.advance(prefix), by_rows.advance(prefix)
+        last = [(seeds[step], 1e-3)]
+        for j, (a, b) in enumerate(zip(full, kept, strict=True)):
+            if j not in rows_only:
+                assert torch.equal(a, b)
+                continue
+            assert b is None
+            for i in range(3):
+                r = rows[i].clamp(max=a.shape[1] - 1)
+                expected = table.directions.perturb(a[i], j, last)[r]
+                assert torch.equal(by_rows.perturbed_rows(j, i, r, last).view(torch.int32), expected.view(torch.int32))
+    for a, b in zip(whole.advance(prefix), by_rows.materialize(), strict=True):
+        assert torch.equal(a, b)
+    assert not by_rows.rows_only
+
+
+def _client_by_client(model, table, inputs, groups, bases):
+    """Each client's 2 examples in a plain perturbed forward at ``bases[.][g] + groups[g]``."""
+    logits = []
+    for g, terms in enumerate(groups):
+        part = {k: v[2 * g : 2 * g + 2] for k, v in inputs.items()}
+        with torch.no_grad(), perturbed(table, terms, base=[b[g] for b in bases]):
+            logits.append(model(**part).logits)
+    return torch.cat(logits)
 
 
 def test_stacked_clients_equal_perturbed_forwards_at_their_local_models():
@@ -164,12 +211,7 @@ def test_stacked_clients_equal_perturbed_forwards_at_their_local_models():
     groups = [[(seeds[0], 1e-2 * (g + 1)), (seeds[1], -0.3)] for g in range(3)]
     with torch.no_grad(), stacked(table, groups, 2, bases=bases, cache={}, per_group_products=True, scratch={}):
         got = model(**inputs).logits
-    expected = []
-    for g in range(3):
-        part = {k: v[2 * g : 2 * g + 2] for k, v in inputs.items()}
-        with torch.no_grad(), perturbed(table, groups[g], base=[b[g] for b in bases]):
-            expected.append(model(**part).logits)
-    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, _client_by_client(model, table, inputs, groups, bases), rtol=1e-12, atol=1e-12)
     # the same groups sharing their terms: one broadcast sum per linear layer, into the kept scratch
     shared = [groups[0]] * 3
     scratch = {}
@@ -177,12 +219,7 @@ def test_stacked_clients_equal_perturbed_forwards_at_their_local_models():
         with torch.no_grad(), stacked(table, shared, 2, bases=bases, cache={}, per_group_products=True,
                                       scratch=scratch):
             again = model(**inputs).logits
-    expected = []
-    for g in range(3):
-        part = {k: v[2 * g : 2 * g + 2] for k, v in inputs.items()}
-        with torch.no_grad(), perturbed(table, shared[g], base=[b[g] for b in bases]):
-            expected.append(model(**part).logits)
-    torch.testing.assert_close(again, torch.cat(expected), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(again, _client_by_client(model, table, inputs, shared, bases), rtol=1e-12, atol=1e-12)
     assert scratch  # the linear layers' stacked weights were kept
     assert all(torch.equal(a, b) for a, b in zip(ParameterTable(model).params, table.params, strict=True))
 

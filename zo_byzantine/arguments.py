@@ -123,11 +123,16 @@ class ZOByzantineArguments(TrainingArguments):
             shared input with every direction's weights: logistic regression, MLPs; per-client directions: each
             client's 2 nu models on its own examples) when 2 nu copies of the
             trainable weights fit the budget and the stacked losses equal the one-at-a-time ones at the first
-            round (equal up to rounding, not bitwise).
+            round (equal up to rounding, not bitwise). When the clients hold different models (local steps
+            after the first; per-client directions), `"auto"` evaluates all of them in one forward (a batched
+            matrix product per `nn.Linear`, the rows each client reads of each `nn.Embedding`, other modules once
+            per client) when it fits the budget and gives the client-by-client losses at its first use.
         zo_cache_budget_gb (`float`, defaults to 1.0): memory `"auto"` may spend on keeping a round's directions
             (nu * K * d values) when they are not drawn by a fused kernel and on stacked models (2 nu * d); with
-            local steps (K > 1), any schedule keeps each client's local model (n * d float32/64 values) within it
-            instead of regenerating its earlier steps at every forward. 0 keeps memory at inference level.
+            local steps (K > 1), any schedule keeps each client's local model ((n + 1) * d float32/64 values)
+            within it instead of regenerating its earlier steps at every forward, and `"auto"` stacks the clients
+            when (n + 3) * d plus (n + 1) times the linear layers' weights fit. 0 keeps memory at inference
+            level.
         zo_generator (`str`, defaults to `"counter"`): the direction generator. `"counter"`: a counter-based
             stream, the same bits on every device (CPU or GPU), drawn and added in one fused pass. `"torch"`:
             `torch.randn` per tensor (the stream of runs made before 0.2), drawn on the CPU and copied to the device.

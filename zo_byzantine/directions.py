@@ -140,6 +140,14 @@ def counter_stream(key: int, numel: int, distribution: str, device="cpu") -> tor
     return out[:numel]
 
 
+def counter_values(key: int, elements: torch.Tensor, distribution: str) -> torch.Tensor:
+    """Elements ``elements`` (int64 indices) of the counter stream of ``key`` (float32): the pair of each element
+    drawn as :func:`counter_stream` draws it, then the element's half."""
+    transform = _gaussian_pair if distribution == "gaussian" else _rademacher_pair
+    za, zb = transform(mix(key, elements // 2))
+    return torch.where(elements % 2 == 0, za, zb)
+
+
 class Directions:
     """A direction generator. ``name``/``version``/``distribution`` identify its stream (``describe()``)."""
 
@@ -188,6 +196,10 @@ class Directions:
     def step_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, cache: dict | None = None) -> None:
         """In place: ``param <- param - lr sum_k c_k z_k[index]``; the only write to the weights."""
         raise NotImplementedError
+
+    def draw_rows(self, like: torch.Tensor, seed: int, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """``draw(like, seed, index)[rows]`` (rows of the leading dimension)."""
+        return self.draw(like, seed, index)[rows]
 
     def perturb_rows(self, source: torch.Tensor, index: int, terms: Terms, rows: torch.Tensor,
                      cache: dict | None = None) -> torch.Tensor:
@@ -272,6 +284,16 @@ class CounterDirections(Directions):
 
     def fused(self, param):
         return self._native(param)
+
+    def draw_rows(self, like, seed, index, rows):
+        """Only those rows' elements are drawn (element ``k`` depends on ``(seed, index, k)`` alone)."""
+        self._real(like)
+        width = like[0].numel()
+        elements = (rows.to(like.device, torch.int64)[:, None] * width
+                    + torch.arange(width, device=like.device)).reshape(-1)
+        COUNTER.add(elements.numel())
+        values = counter_values(tensor_seed(seed, index), elements, self.distribution)
+        return values.view(len(rows), *like.shape[1:])
 
     def draw(self, like, seed, index):
         self._real(like)

@@ -260,21 +260,22 @@ def _linear_per_group(module: nn.Linear, x: torch.Tensor, count: int, weights) -
     return y.reshape(*x.shape[:-1], module.out_features)
 
 
-def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, rows_of) -> torch.Tensor:
-    """Each group's lookup of its slice of ``ids`` in its own table, of which only the rows it reads are formed:
-    ``rows_of(g, used) -> [len(used), dim]``."""
-    parts = ids.reshape(count, -1)
+def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, rows: int, rows_of) -> torch.Tensor:
+    """Each group's lookup of its slice of a stacked ``ids`` (or of all of a shared ``ids``) in its own table, of
+    which only the rows it reads are formed: ``rows_of(g, used) -> [len(used), dim]``."""
+    stacked_ids = ids.dim() > 0 and ids.shape[0] == count * rows
     out = []
     for g in range(count):
-        used, inverse = parts[g].unique(return_inverse=True)
+        part = ids[g * rows : (g + 1) * rows] if stacked_ids else ids
+        used, inverse = part.unique(return_inverse=True)
         out.append(nn.functional.embedding(inverse, rows_of(g, used)))
-    return torch.stack(out).reshape(*ids.shape, module.embedding_dim)
+    return torch.cat(out) if stacked_ids else _stack_outputs(out, rows)
 
 
 @contextlib.contextmanager
 def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict | None = None,
             bases: list | None = None, cache: dict | None = None, per_group_products: bool = False,
-            scratch: dict | None = None):
+            scratch: dict | None = None, rows_of: dict | None = None):
     """Forwards evaluate ``G = len(groups)`` models at once: group ``g`` at ``w + sum groups[g]``, its
     outputs stacked group-major (leading dimension ``G * rows``); each owning module draws a direction once
     for all groups.
@@ -286,6 +287,8 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
     groups and a plain ``nn.Embedding`` forms only the rows each group reads, instead of running once per group
     (the clients' different models in one forward). ``scratch``: a dict that keeps the memory of those stacked
     weights from one forward to the next (a fresh allocation costs more than the sum written into it).
+    ``rows_of[j](g, rows, terms)``: rows ``rows`` of group ``g``'s parameter ``j`` plus ``sum terms``, for an
+    embedding table ``bases`` does not hold (``bases[j]`` is ``None``).
     """
     owned_by = {id(module): owned for module, owned in table.owners}
     tied: dict = {}  # tied parameters' directions, drawn once for all their owners
@@ -327,8 +330,10 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                     return torch.add(bases[index], total, out=_buffer(scratch, (index, "stacked"), bases[index]))
                 return torch.stack([shifted(name, groups[g], g) for g in range(count)])
 
-            def rows_of(g: int, used: torch.Tensor) -> torch.Tensor:
+            def group_rows(g: int, used: torch.Tensor) -> torch.Tensor:
                 index, kept_draws = cache_of["weight"]
+                if rows_of and index in rows_of:
+                    return rows_of[index](g, used, groups[g]).to(originals["weight"].dtype)
                 return directions.perturb_rows(source("weight", g), index, groups[g], used,
                                                kept_draws).to(originals["weight"].dtype)
 
@@ -355,12 +360,12 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                     module._parameters.update(weights(current))
                     return forward(*args, **kwargs)
                 tensors = [v for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0]
+                single = len(args) == 1 and not kwargs and torch.is_tensor(args[0])
+                if per_group_products and single and plain_embedding and "weight" in cache_of:
+                    return _embedding_per_group(module, args[0], count, rows, group_rows)
                 if any(v.shape[0] == count * rows for v in tensors):
-                    single = len(args) == 1 and not kwargs and torch.is_tensor(args[0])
                     if per_group_products and single and plain_linear and args[0].dim() > 1:
                         return _linear_per_group(module, args[0], count, stacked_weights)
-                    if per_group_products and single and plain_embedding and "weight" in cache_of:
-                        return _embedding_per_group(module, args[0], count, rows_of)
                     return _stack_outputs([run(g, [_part(a, count, rows, g) for a in args],
                                                {k: _part(v, count, rows, g) for k, v in kwargs.items()})
                                            for g in range(count)], rows)

@@ -16,7 +16,11 @@ two_forwards, bitwise for cached):
                   copies of the trainable weights fit the budget, the 2 nu evaluations of a step in stacked
                   forwards (``perturbation.stacked``) if a shared input meets every direction's weights in one
                   matrix product (a first ``nn.Linear``: MLPs, logistic regression) and they give the
-                  one-direction-at-a-time losses at the first round
+                  one-direction-at-a-time losses at the first round. And, when the clients hold different
+                  models (local steps after the first, per-client directions) and their local models fit the
+                  budget, all clients in one forward (``stacked_clients``: a batched product per linear layer,
+                  the rows each client reads of each embedding table) if it gives the client-by-client losses at
+                  its first use
 """
 
 from __future__ import annotations
@@ -80,41 +84,102 @@ class LocalModels:
     as one tensor ``[m, ...]`` per parameter and advanced in place by the terms added since the last call: a
     forward at local step ``l`` then draws its perturbation only (``nu`` terms per advance), not the ``l nu``
     terms of its model (SPEC 1.5); with shared directions each is drawn once for all clients (``cache``). Equal to
-    the regenerated sum up to rounding (the sum is accumulated in a different order). Memory: two copies of the
-    weights per client at most (the models, and the sums written into one scratch copy and, when the clients are
-    stacked, into a stacked module's weights)."""
+    the regenerated sum up to rounding (the sum is accumulated in a different order).
 
-    def __init__(self, table: ParameterTable, num_clients: int, cache: dict):
+    ``rows_only``: parameters read by rows alone (embedding tables, when the clients are stacked): kept only at
+    the rows each client reads (:meth:`perturbed_rows`), by the same arithmetic as the whole tensor, so the same
+    bits; :meth:`materialize` forms them whole when a plain forward needs them.
+    """
+
+    def __init__(self, table: ParameterTable, num_clients: int, cache: dict, rows_only=frozenset()):
         self.table, self.m, self.cache = table, num_clients, cache
+        self.rows_only = set(rows_only)
         self.held: list[tuple] = [() for _ in range(num_clients)]  # the terms each client's weights hold
-        self.weights: list[torch.Tensor] | None = None  # per parameter [m, ...]
-        self.scratch: list[torch.Tensor] | None = None  # per parameter, one copy
+        self.steps: list[list[Terms]] = [[] for _ in range(num_clients)]  # each client's advances, in order
+        self.weights: list[torch.Tensor | None] | None = None  # per parameter [m, ...]; None: rows only
+        self.scratch: list[torch.Tensor | None] | None = None  # per parameter, one copy
+        self.row_models: dict = {}  # (index, client) -> (its rows, its model there, advances applied)
+        self.row_draws: dict = {}  # (seed, index, client) -> (its rows, z there)
 
-    def advance(self, terms_per_client: list[Terms]) -> list[torch.Tensor] | None:
-        """Every client's weights ``w + sum terms_i`` (per parameter ``[m, ...]``), or ``None`` when all terms are
-        empty (``w`` itself)."""
+    def advance(self, terms_per_client: list[Terms]) -> list[torch.Tensor | None] | None:
+        """Every client's weights ``w + sum terms_i`` (per parameter ``[m, ...]``; ``None`` for a parameter kept by
+        rows), or ``None`` when all terms are empty (``w`` itself)."""
         terms_per_client = [tuple(terms) for terms in terms_per_client]
         if not any(terms_per_client):
             return None
         params = [p.detach() for p in self.table.params]
         if self.weights is None:
-            self.weights = [p.unsqueeze(0).repeat(self.m, *[1] * p.dim()) for p in params]
+            self.weights = [None if j in self.rows_only else p.unsqueeze(0).repeat(self.m, *[1] * p.dim())
+                            for j, p in enumerate(params)]
+            self.scratch = [None if w is None else torch.empty_like(p) for w, p in zip(self.weights, params,
+                                                                                       strict=True)]
         new = []
         for i, terms in enumerate(terms_per_client):
             if terms[: len(self.held[i])] != self.held[i]:  # not an extension of the model held: start again from w
                 for w, p in zip(self.weights, params, strict=True):
-                    w[i].copy_(p)
-                self.held[i] = ()
+                    if w is not None:
+                        w[i].copy_(p)
+                self.held[i], self.steps[i] = (), []
             new.append(list(terms[len(self.held[i]):]))
             self.held[i] = terms
-        if self.scratch is None:
-            self.scratch = [torch.empty_like(p) for p in params]  # each sum is written here: no new memory per step
+            if new[i]:
+                self.steps[i].append(new[i])
         directions = self.table.directions
         for j, (w, scratch) in enumerate(zip(self.weights, self.scratch, strict=True)):
             for i, terms in enumerate(new):
-                if terms:
+                if terms and w is not None:  # the sum is written into kept memory: no new memory per step
                     w[i].add_(directions.total(scratch, j, terms, self.cache, out=scratch))
         return self.weights
+
+    def materialize(self) -> list[torch.Tensor] | None:
+        """The weights with every parameter kept whole (those kept by rows formed from ``w`` and the advances)."""
+        for j in sorted(self.rows_only):
+            self.rows_only.discard(j)
+            if self.weights is None:
+                continue
+            p = self.table.params[j].detach()
+            self.weights[j], self.scratch[j] = p.unsqueeze(0).repeat(self.m, *[1] * p.dim()), torch.empty_like(p)
+            for i in range(self.m):
+                for terms in self.steps[i]:
+                    self.weights[j][i].add_(self.table.directions.total(self.scratch[j], j, terms, self.cache,
+                                                                        out=self.scratch[j]))
+        return self.weights
+
+    def _draws(self, index: int, client: int, rows: torch.Tensor, terms: Terms) -> dict:
+        """``z[rows]`` of each direction of ``terms``, drawn at those rows only, kept for the round."""
+        directions, like, out = self.table.directions, self.table.params[index], {}
+        for seed, _ in terms:
+            held = self.row_draws.get((seed, index, client))
+            if held is None or not torch.equal(held[0], rows):
+                held = (rows, directions.draw_rows(like, seed, index, rows))
+                self.row_draws[(seed, index, client)] = held
+            out[(seed, index)] = held[1]
+        return out
+
+    def perturbed_rows(self, index: int, client: int, rows: torch.Tensor, terms: Terms) -> torch.Tensor:
+        """Rows ``rows`` of client ``client``'s parameter ``index`` (kept by rows) plus ``sum terms``: the bits of
+        ``perturb(its whole local model, terms)[rows]``."""
+        directions = self.table.directions
+        held_rows, model, applied = self.row_models.get((index, client), (None, None, 0))
+        if held_rows is None or not torch.equal(held_rows, rows):
+            model, applied = self.table.params[index].detach()[rows].clone(), 0
+        for step in self.steps[client][applied:]:  # the advances of the whole tensor, on these rows
+            model.add_(directions.total(model, index, step, self._draws(index, client, rows, step)))
+        self.row_models[(index, client)] = (rows, model, len(self.steps[client]))
+        if not terms:
+            return model
+        return directions.perturb(model, index, terms, self._draws(index, client, rows, terms))
+
+
+def rows_only_parameters(table: ParameterTable) -> set[int]:
+    """Trainable parameters read only by rows: the weight of a plain ``nn.Embedding`` (no ``max_norm``), not tied
+    to another module."""
+    found = set()
+    for module, owned in table.owners:
+        plain = type(module).forward is torch.nn.Embedding.forward and "forward" not in module.__dict__
+        if plain and module.max_norm is None:
+            found.update(index for name, index in owned if name == "weight" and index not in table.tied)
+    return found
 
 
 def _tensor_bytes(value) -> int:
@@ -170,7 +235,9 @@ class BatchedClients:
         self.recent: dict = {}
         self.scratch: dict = {}  # the stacked weights' memory, kept from one forward to the next
         keeps = schedule.keeps_local_models(table, num_clients)
-        self.local = LocalModels(table, num_clients, cache if cache is not None else self.recent) if keeps else None
+        rows_only = rows_only_parameters(table) if schedule.stack_clients is True else set()
+        self.local = (LocalModels(table, num_clients, cache if cache is not None else self.recent, rows_only)
+                      if keeps else None)
         self.rows = torch.arange(num_clients, device=next(v for v in inputs.values() if torch.is_tensor(v)).device)
         self.rows = self.rows.repeat_interleave(batch)
 
@@ -250,10 +317,14 @@ class BatchedClients:
         """Client ``i`` at ``w + sum terms_i`` for all clients in one forward of the stacked batch: each linear
         layer one batched product over the clients' weights, each embedding only the rows a client reads."""
         bases, rest = self._bases(terms_per_client)
+        by_rows = {} if bases is None else {j: self._rows_of(j) for j in self.local.rows_only}
         with stacked(self.table, rest, self.batch, bases=bases, cache=self.recent, per_group_products=True,
-                     scratch=self.scratch), self.context():
+                     scratch=self.scratch, rows_of=by_rows), self.context():
             sums, counts = self.forward(self.model, self.inputs)
         return client_losses(sums, counts, self.rows, self.m).cpu()
+
+    def _rows_of(self, index: int) -> Callable:
+        return lambda client, rows, terms: self.local.perturbed_rows(index, client, rows, terms)
 
     def checked_client_stacking(self, terms_per_client: list) -> torch.Tensor:
         """At the first step whose clients hold different models: the stacked losses if they give the
@@ -275,6 +346,8 @@ class BatchedClients:
     def client_by_client(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
         """One forward per client at ``w + sum terms_i`` (its local model plus the last term when kept)."""
         bases, rest = self._bases(terms_per_client) if self.local is not None else (None, terms_per_client)
+        if bases is not None and self.local.rows_only:  # a plain forward reads whole tables
+            bases = self.local.materialize()
         one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
         each = [self.batched_losses(self.client_inputs(i), one, 1, terms, cache,
                                     None if bases is None else [w[i] for w in bases])
