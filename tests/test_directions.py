@@ -105,8 +105,9 @@ def test_every_path_of_the_generator_gives_the_same_bits(dtype, monkeypatch):
 @pytest.mark.parametrize("generator", [CounterDirections(), CounterDirections("rademacher"), TorchDirections()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rows_of_a_sum_and_sums_into_kept_memory_are_the_same_bits(generator, dtype):
-    """``perturb_rows`` (an embedding's rows only, from kept directions) is ``perturb(...)[rows]`` and ``total``
-    written into ``out`` is ``total``, bit for bit, for one term and several; rows repeated and out of order."""
+    """``perturb_rows`` (an embedding's rows only, from kept directions) is ``perturb(...)[rows]``, ``total``
+    written into ``out`` is ``total`` and ``draw_rows`` (the counter stream at those elements only) is
+    ``draw(...)[rows]``, bit for bit, for one term and several; rows repeated and out of order."""
     param = torch.randn(50, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
     rows = torch.tensor([7, 0, 49, 7, 13])
     for terms in ([(direction_seed(2, 0, 1, 0), 1e-3)],
@@ -121,6 +122,8 @@ def test_rows_of_a_sum_and_sums_into_kept_memory_are_the_same_bits(generator, dt
         assert written.data_ptr() == out.data_ptr()
         assert torch.equal(_bits(written), _bits(generator.total(param, 3, terms)))
     assert torch.equal(generator.perturb_rows(param, 3, [], rows, {}), param[rows])
+    seed = direction_seed(2, 0, 1, 1)
+    assert torch.equal(_bits(generator.draw_rows(param, seed, 3, rows)), _bits(generator.draw(param, seed, 3)[rows]))
 
 
 def test_gaussian_moments_tails_and_independence():
