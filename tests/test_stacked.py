@@ -169,8 +169,9 @@ def test_local_models_kept_by_rows_are_the_bits_of_whole_ones():
     whole, by_rows = simulation.LocalModels(table, 3, {}), simulation.LocalModels(table, 3, {}, rows_only)
     seeds = [direction_seed(4, 0, step, 0) for step in range(4)]
     rows = [torch.tensor([0, 5, 17, 59]), torch.tensor([1]), torch.tensor([0, 2, 3])]
-    for step in range(1, 4):
-        prefix = [[(seeds[k], 0.1 * (i + 1) * (-1) ** k) for k in range(step)] for i in range(3)]
+    # steps 1-3, then client models that do not extend the held ones (each starts again from w)
+    for step, sign in ((1, 1), (2, 1), (3, 1), (2, -1)):
+        prefix = [[(seeds[k], sign * 0.1 * (i + 1) * (-1) ** k) for k in range(step)] for i in range(3)]
         full, kept = whole.advance(prefix), by_rows.advance(prefix)
         last = [(seeds[step], 1e-3)]
         for j, (a, b) in enumerate(zip(full, kept, strict=True)):
@@ -185,6 +186,26 @@ def test_local_models_kept_by_rows_are_the_bits_of_whole_ones():
     for a, b in zip(whole.advance(prefix), by_rows.materialize(), strict=True):
         assert torch.equal(a, b)
     assert not by_rows.rows_only
+
+
+class Wrapped(torch.nn.Module):
+    """An owner of a trainable parameter with an embedding inside: it runs once per client with whole weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.inner = torch.nn.Parameter(torch.ones(())), torch.nn.Embedding(9, 3)
+
+    def forward(self, ids):
+        return self.inner(ids) * self.scale
+
+
+def test_only_plain_untied_unnested_embeddings_are_kept_by_rows():
+    model = torch.nn.ModuleDict({"plain": torch.nn.Embedding(9, 3), "wrapped": Wrapped(),
+                                 "capped": torch.nn.Embedding(9, 3, max_norm=1.0), "tied": torch.nn.Embedding(9, 3),
+                                 "head": torch.nn.Linear(3, 9)})
+    model["head"].weight = model["tied"].weight  # tied to a linear layer: read whole
+    table = ParameterTable(model)
+    assert {table.names[j] for j in simulation.rows_only_parameters(table)} == {"plain.weight"}
 
 
 def _client_by_client(model, table, inputs, groups, bases):

@@ -120,6 +120,8 @@ class LocalModels:
                     if w is not None:
                         w[i].copy_(p)
                 self.held[i], self.steps[i] = (), []
+                for key in [key for key in self.row_models if key[1] == i]:
+                    del self.row_models[key]
             new.append(list(terms[len(self.held[i]):]))
             self.held[i] = terms
             if new[i]:
@@ -173,11 +175,14 @@ class LocalModels:
 
 def rows_only_parameters(table: ParameterTable) -> set[int]:
     """Trainable parameters read only by rows: the weight of a plain ``nn.Embedding`` (no ``max_norm``), not tied
-    to another module."""
+    to another module, and not inside another module that owns trainable parameters (which runs once per client
+    with whole weights)."""
+    owners = [module for module, _ in table.owners]
     found = set()
     for module, owned in table.owners:
         plain = type(module).forward is torch.nn.Embedding.forward and "forward" not in module.__dict__
-        if plain and module.max_norm is None:
+        nested = any(other is not module and any(m is module for m in other.modules()) for other in owners)
+        if plain and module.max_norm is None and not nested:
             found.update(index for name, index in owned if name == "weight" and index not in table.tied)
     return found
 
