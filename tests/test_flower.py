@@ -24,6 +24,7 @@ from zo_byzantine.flower import (
 )
 from zo_byzantine.flower.config import build_task
 from zo_byzantine.flower.wire import REPORT, catch_up_content
+from zo_byzantine.simulation import BatchedClients, Schedule
 
 pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
@@ -415,6 +416,37 @@ def test_replica_keeps_exact_weights_in_the_node_state():
     replica.save(state)
     other = Replica(build_task(deployment, config).model, deployment.args)
     assert other.load(state) and other.applied == 5 and other.fingerprint() == replica.fingerprint()
+
+
+def test_a_node_checks_its_schedule_at_its_first_plan_only(monkeypatch):
+    """The stacked-directions check (``zo_schedule="auto"``) runs at a node's first plan; its decisions live in the
+    node state, so later plans of the run evaluate the way the trainer's later rounds do, without checking again."""
+    checks = []
+    original = BatchedClients.checked_stacking
+    monkeypatch.setattr(BatchedClients, "checked_stacking", lambda self, *a: checks.append(1) or original(self, *a))
+    config = run_config(rounds=3, num_clients=3, clients_per_round=3, **{"min-nodes": 3})
+    coord = coordinator(config)
+    grid = LoopbackGrid(config, nodes(3))
+    coord.run(grid)
+    assert len(checks) == 3  # one per node, at its first plan
+    decided = dict(grid.states[100]["zo_schedule"])
+    assert decided["stack"] is True and decided["for_schedule"] == "auto" and decided["name"] == "two_forwards"
+
+
+def test_a_kept_schedule_is_used_only_for_the_same_settings():
+    decided = Schedule("auto", 1.0)
+    decided.name, decided.stack, decided.stack_rows, decided.stack_clients = "cached", True, 64, False
+    values = decided.decisions()
+    restored = Schedule.restored("auto", 1.0, values)
+    assert (restored.name, restored.stack, restored.stack_rows, restored.stack_clients) == ("cached", True, 64, False)
+    for name, budget, changed in (("auto", 2.0, {}), ("two_forwards", 1.0, {}), ("auto", 1.0, {"name": "bogus"}),
+                                  ("auto", 1.0, {"verified": "yes"}), ("auto", 1.0, {"for_budget": "1.0"})):
+        fresh = Schedule.restored(name, budget, {**values, **changed})
+        assert (fresh.name, fresh.stack, fresh.stack_clients) == (name, None if name == "auto" else False,
+                                                                  None if name == "auto" else False)
+    wrong_type = Schedule.restored("auto", 1.0, {**values, "stack": 1, "stack_rows": "64"})
+    assert wrong_type.name == "cached" and wrong_type.stack is None and wrong_type.stack_rows == 0
+    assert Schedule.restored("antithetic", 1.0, Schedule("antithetic", 1.0).decisions()).verified is False
 
 
 def test_server_evaluates_its_replica_on_a_schedule():

@@ -40,6 +40,9 @@ STACKED_BYTES = 2**30  # the activations of one stacked forward (module outputs,
 MIN_ROW_BYTES = 1024  # a row's activations when the probe sees no tensor output
 
 
+RESOLVES_TO = {"auto": ("two_forwards", "cached"), "antithetic": ("two_forwards",)}  # after their checks
+
+
 class Schedule:
     """The two-point schedule of a run; ``"auto"`` resolves at the first round and stays resolved.
 
@@ -50,10 +53,37 @@ class Schedule:
 
     def __init__(self, name: str, cache_budget_gb: float = 0.0):
         self.name, self.cache_budget_gb = name, cache_budget_gb
+        self.setting = (name, float(cache_budget_gb))  # zo_schedule and zo_cache_budget_gb as given
         self.verified = name != "antithetic"  # antithetic is checked against two forwards once
         self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
         self.stack_rows = 0  # examples x models of one stacked forward (from the probe, when stacked)
         self.stack_clients = None if name == "auto" else False  # clients' local models in one forward: checked once
+
+    def decisions(self) -> dict:
+        """What the checks decided, as plain values (``None``: not decided yet, left out): a Flower node keeps them
+        in its state so that it checks once per run, as the trainer does, not at every plan."""
+        values = {"for_schedule": self.setting[0], "for_budget": self.setting[1], "name": self.name,
+                  "verified": self.verified, "stack_rows": self.stack_rows, "stack": self.stack,
+                  "stack_clients": self.stack_clients}
+        return {key: value for key, value in values.items() if value is not None}
+
+    @classmethod
+    def restored(cls, name: str, cache_budget_gb: float, decisions=None) -> Schedule:
+        """A schedule for ``zo_schedule=name`` carrying ``decisions`` (from :meth:`decisions` of a schedule of the
+        same settings; anything else, or values of other types, is ignored and checked again)."""
+        schedule = cls(name, cache_budget_gb)
+        decisions = dict(decisions or {})
+        if (decisions.get("for_schedule"), decisions.get("for_budget")) != schedule.setting:
+            return schedule
+        resolved = {name, *RESOLVES_TO.get(name, ())}
+        if decisions.get("name") not in resolved or type(decisions.get("verified")) is not bool:
+            return schedule
+        schedule.name, schedule.verified = decisions["name"], decisions["verified"]
+        if name == "auto":
+            for key, kind in (("stack", bool), ("stack_clients", bool), ("stack_rows", int)):
+                if type(decisions.get(key)) is kind:
+                    setattr(schedule, key, decisions[key])
+        return schedule
 
     def _fits(self, table: ParameterTable, copies: int) -> bool:
         return copies * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30

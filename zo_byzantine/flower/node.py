@@ -6,7 +6,8 @@
           entries start after what it has applied -> a catch-up request (round, client, applied)
         its weights' fingerprint == the server's    else refuse and start over from the start weights
         its batch of round t                        (Federation: the simulation's partition and data stream)
-        client_reports(plan, one-client evaluator)  (the simulation's client role, ids = [c])
+        client_reports(plan, one-client evaluator)  (the simulation's client role, ids = [c]; the schedule's
+                                                     checks made at its first plan, kept in the node state)
         node attack, if configured                  (an Attack given only this node's vector: honest = own)
 
 A refusal raises :class:`PlanRefused`; Flower returns it to the server as an error reply.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, RecordDict
 from transformers import default_data_collator
 
 from ..checks import build_federation, check_label_flipping
@@ -28,6 +29,8 @@ from ..simulation import BatchedClients, Schedule, flip_labels, model_num_labels
 from .config import Deployment, Node, Task
 from .replica import Replica
 from .wire import catch_up_content, read_plan, report_content
+
+SCHEDULE = "zo_schedule"  # the node state's record of its schedule's decisions (checked once per run)
 
 
 class PlanRefused(RuntimeError):
@@ -91,7 +94,9 @@ def answer(content, state: RecordDict, deployment: Deployment, task: Task, node:
         rows = torch.ones(len(inputs["labels"]), dtype=torch.bool)
         inputs = flip_labels(inputs, rows, node.attack.num_classes or model_num_labels(task.model))
     args = deployment.args
-    schedule = Schedule(args.zo_schedule, args.zo_cache_budget_gb)
+    decided = state.get(SCHEDULE)  # what this node's checks decided at an earlier plan of the run
+    schedule = Schedule.restored(args.zo_schedule, args.zo_cache_budget_gb,
+                                 dict(decided) if isinstance(decided, ConfigRecord) else None)
     cache = {} if schedule.resolve(replica.table, plan.num_directions(1)) == "cached" else None
     task.model.eval()
     clients = BatchedClients(task.model, replica.table, inputs, 1, args.per_device_train_batch_size,
@@ -99,4 +104,5 @@ def answer(content, state: RecordDict, deployment: Deployment, task: Task, node:
     with torch.no_grad():
         (report,) = client_reports(plan, clients, replica.table, [node.client], [size])
     report.scalars = local_attack(node, report.scalars, args.zo_seed, t)
+    state[SCHEDULE] = ConfigRecord(schedule.decisions())
     return report_content(report, replica.applied)
