@@ -383,11 +383,19 @@ class BatchedClients:
         bases, rest = self._bases(terms_per_client) if self.local is not None else (None, terms_per_client)
         if bases is not None and self.local.rows_only:  # a plain forward reads whole tables
             bases = self.local.materialize()
-        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-        each = [self.batched_losses(self.client_inputs(i), one, 1, terms, cache,
-                                    None if bases is None else [w[i] for w in bases])
-                for i, terms in enumerate(rest)]
+        each = self._each_client(lambda i, inputs, one: self.batched_losses(
+            inputs, one, 1, rest[i], cache, None if bases is None else [w[i] for w in bases]))
         return torch.cat(each).cpu()
+
+    def _each_client(self, evaluate: Callable) -> list:
+        """``evaluate(i, inputs_i, one)`` for every client ``i`` on its own examples (``one``: their client index
+        within ``inputs_i``, all 0)."""
+        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
+        return [evaluate(i, self.client_inputs(i), one) for i in range(self.m)]
+
+    @staticmethod
+    def _joined(pairs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([plus for plus, _ in pairs]), torch.cat([minus for _, minus in pairs])
 
     def loss_pairs(self, offsets: list, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses at ``w_i + offset_i +- mu z_{i,r}`` for every direction ``r`` of ``seeds[i]`` (m x nu each):
@@ -415,9 +423,8 @@ class BatchedClients:
         """:meth:`stacked_pairs` over all clients at once when they share their directions, else client by client."""
         if all(s == seeds[0] for s in seeds):
             return self.stacked_pairs(self.inputs, self.rows, self.m, offset, seeds[0], mu)
-        one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-        pairs = [self.stacked_pairs(self.client_inputs(i), one, 1, offset, s, mu) for i, s in enumerate(seeds)]
-        return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
+        return self._joined(self._each_client(
+            lambda i, inputs, one: self.stacked_pairs(inputs, one, 1, offset, seeds[i], mu)))
 
     def stacked_pairs(self, inputs: dict, client_of_example, num_clients: int, offset: Terms, seeds: list[int],
                       mu: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,12 +496,8 @@ class BatchedClients:
         if self.schedule.name == "antithetic":
             if all(o == offsets[0] for o in offsets) and len(set(seeds)) == 1:
                 return self.antithetic_losses(self.inputs, self.rows, self.m, offsets[0], seeds[0], mu)
-            one = torch.zeros(self.batch, dtype=torch.long, device=self.rows.device)
-            pairs = [
-                self.antithetic_losses(self.client_inputs(i), one, 1, o, s, mu)
-                for i, (o, s) in enumerate(zip(offsets, seeds, strict=True))
-            ]
-            return torch.cat([p for p, _ in pairs]), torch.cat([m for _, m in pairs])
+            return self._joined(self._each_client(
+                lambda i, inputs, one: self.antithetic_losses(inputs, one, 1, offsets[i], seeds[i], mu)))
         cache = self.cache if self.schedule.name == "cached" else None
         plus = self.losses([o + [(s, mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
         minus = self.losses([o + [(s, -mu)] for o, s in zip(offsets, seeds, strict=True)], cache)
