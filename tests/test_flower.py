@@ -440,7 +440,8 @@ def test_a_kept_schedule_is_used_only_for_the_same_settings():
     restored = Schedule.restored("auto", 1.0, values)
     assert (restored.name, restored.stack, restored.stack_rows, restored.stack_clients) == ("cached", True, 64, False)
     for name, budget, changed in (("auto", 2.0, {}), ("two_forwards", 1.0, {}), ("auto", 1.0, {"name": "bogus"}),
-                                  ("auto", 1.0, {"verified": "yes"}), ("auto", 1.0, {"for_budget": "1.0"})):
+                                  ("auto", 1.0, {"verified": "yes"}), ("auto", 1.0, {"for_budget": "1.0"}),
+                                  ("auto", 1.0, {"verified": False}), ("auto", 1.0, {"format": 2})):
         fresh = Schedule.restored(name, budget, {**values, **changed})
         assert (fresh.name, fresh.stack, fresh.stack_clients) == (name, None if name == "auto" else False,
                                                                   None if name == "auto" else False)

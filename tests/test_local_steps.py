@@ -122,8 +122,7 @@ def test_local_steps_match_a_slow_implementation_that_copies_models(tmp_path, mo
 def test_kept_local_models_equal_regenerated_ones_with_passes_linear_in_k(tmp_path, mode):
     """Local models kept (the default budget) or regenerated from their terms (budget 0): the same rounds up to
     rounding; generator passes per round (units of d; N = 3 clients, nu = 2, K = 4, two forwards):
-    kept:        4 (step 1, shared) + 3 steps x (nu to advance, drawn once for the 3 clients + 3 clients x 2 nu
-                 perturbed) + K nu update = 54
+    kept:        4 (step 1, shared) + 3 steps x 3 clients x (nu to advance + 2 nu perturbed) + K nu update = 66
     regenerated: 4 + 3 clients x sum_{l=2..4} 2 nu ((l - 1) nu + 1) + 8 = 192 (unbiased)."""
     runs = {}
     for budget in (1.0, 0.0):
@@ -139,7 +138,7 @@ def test_kept_local_models_equal_regenerated_ones_with_passes_linear_in_k(tmp_pa
     # compressed: the update draws the basis Z_t (nu = 2 instead of K nu = 8), and the projection Z_t^T Z_l
     # draws nu + K nu = 10: 4 more in all
     extra = 4 if mode == "compressed" else 0
-    assert kept_passes == [54 + extra] * 2 and regen_passes == [192 + extra] * 2
+    assert kept_passes == [66 + extra] * 2 and regen_passes == [192 + extra] * 2
 
 
 def test_k1_biased_and_unbiased_are_bitwise_identical(tmp_path):

@@ -16,6 +16,7 @@ from helpers import (
 )
 
 from zo_byzantine import simulation
+from zo_byzantine.directions import TorchDirections
 from zo_byzantine.perturbation import COUNTER, ParameterTable, direction_seed, perturbed, stacked
 
 
@@ -166,7 +167,7 @@ def test_local_models_kept_by_rows_are_the_bits_of_whole_ones():
     rows_only = simulation.rows_only_parameters(table)
     assert {table.names[j] for j in rows_only} == {f"bert.embeddings.{e}_embeddings.weight"
                                                    for e in ("word", "position", "token_type")}
-    whole, by_rows = simulation.LocalModels(table, 3, {}), simulation.LocalModels(table, 3, {}, rows_only)
+    whole, by_rows = simulation.LocalModels(table, 3), simulation.LocalModels(table, 3, rows_only)
     seeds = [direction_seed(4, 0, step, 0) for step in range(4)]
     rows = [torch.tensor([0, 5, 17, 59]), torch.tensor([1]), torch.tensor([0, 2, 3])]
     # steps 1-3, then client models that do not extend the held ones (each starts again from w)
@@ -199,6 +200,76 @@ class Wrapped(torch.nn.Module):
         return self.inner(ids) * self.scale
 
 
+class Broadcast(torch.nn.Module):
+    """A linear layer on a broadcast input (leading dimension 1), beside one on the examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.side = torch.nn.Linear(5, 3), torch.nn.Linear(4, 3)
+        self.register_buffer("ones", torch.ones(1, 4))
+
+    def forward(self, x):
+        return {"logits": self.first(x) + self.side(self.ones)}
+
+
+def test_stacked_clients_with_one_example_each_use_their_own_weights_on_a_broadcast_input():
+    """One example per client: a linear layer's broadcast input has the leading dimension of a client's rows; it must
+    still meet each client's own local model (not ``w``), as one perturbed forward per client does."""
+    torch.manual_seed(0)
+    model = Broadcast().double()
+    table = ParameterTable(model)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    bases = [torch.stack([p.detach() + 0.5 * g * torch.randn_like(p) for g in range(3)]) for p in table.params]
+    groups = [[(direction_seed(5, 0, 1, 0), 1e-2)]] * 3
+    with torch.no_grad(), stacked(table, groups, 1, bases=bases, cache={}, per_group_products=True, scratch={}):
+        got = model(x)["logits"]
+    expected = []
+    for g in range(3):
+        with torch.no_grad(), perturbed(table, groups[g], base=[b[g] for b in bases]):
+            expected.append(model(x[g : g + 1])["logits"])
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-12, atol=1e-12)
+
+
+class KeywordEmbedding(torch.nn.Module):
+    """An embedding called with a keyword argument (the stacked forward then runs it whole, once per client)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = torch.nn.Embedding(16, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        ids = (x.abs() * 3).long().clamp(max=15)
+        return {"logits": self.head(self.table(input=ids).mean(dim=1))}
+
+
+def test_an_embedding_the_check_saw_read_whole_is_kept_whole_in_later_rounds(tmp_path):
+    runs = {}
+    for schedule in ("auto", "two_forwards"):
+        torch.manual_seed(0)
+        model = KeywordEmbedding().double()
+        trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path / schedule, max_steps=3,
+                               num_clients=3, per_device_train_batch_size=4, local_steps=3, local_learning_rate=0.5,
+                               logging_steps=1, zo_schedule=schedule)
+        trainer.train()
+        runs[schedule] = (trainer, [p.detach().clone() for p in model.parameters()])
+    assert runs["auto"][0].schedule.stack_clients is True and runs["auto"][0].schedule.rows_only == ()
+    for a, b in zip(runs["auto"][1], runs["two_forwards"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget_bytes, stacks", [(300, False), (2000, True)])
+def test_the_budget_counts_the_frozen_weights_a_stacked_linear_layer_copies(tmp_path, budget_bytes, stacks):
+    """Only the bias trainable (16 bytes): stacking 3 clients copies the frozen 8 x 2 weight per client, which the
+    budget must count (656 bytes needed here, 160 when counting trainable values only)."""
+    torch.manual_seed(0)
+    model = LogisticRegression().double()
+    model.linear.weight.requires_grad_(False)
+    trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path, max_steps=1, num_clients=3,
+                           per_device_train_batch_size=4, local_steps=2, zo_cache_budget_gb=budget_bytes / 2**30)
+    trainer.train()
+    assert trainer.schedule.stack_clients is (True if stacks else None)
+
+
 def test_only_plain_untied_unnested_embeddings_are_kept_by_rows():
     model = torch.nn.ModuleDict({"plain": torch.nn.Embedding(9, 3), "wrapped": Wrapped(),
                                  "capped": torch.nn.Embedding(9, 3, max_norm=1.0), "tied": torch.nn.Embedding(9, 3),
@@ -206,6 +277,8 @@ def test_only_plain_untied_unnested_embeddings_are_kept_by_rows():
     model["head"].weight = model["tied"].weight  # tied to a linear layer: read whole
     table = ParameterTable(model)
     assert {table.names[j] for j in simulation.rows_only_parameters(table)} == {"plain.weight"}
+    # the torch generator draws a whole tensor for any of its rows: nothing is kept by rows
+    assert simulation.rows_only_parameters(ParameterTable(model, TorchDirections())) == set()
 
 
 def _client_by_client(model, table, inputs, groups, bases):

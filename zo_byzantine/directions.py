@@ -155,6 +155,7 @@ class Directions:
     version: int
     distribution: str = "gaussian"
     threads_per_tensor = False  # True: calls use several threads themselves (do not map tensors over a pool)
+    draws_rows = False  # True: ``draw_rows`` draws only the rows asked for (else it draws the whole tensor)
 
     def identity(self) -> tuple[str, int, str]:
         """``(name, version, distribution)``: what a plan names and a client must reproduce."""
@@ -265,6 +266,7 @@ class CounterDirections(Directions):
 
     name, version = "counter", 1
     threads_per_tensor = True
+    draws_rows = True
 
     def __init__(self, distribution: str = "gaussian"):
         check_choice("zo_distribution", distribution, DISTRIBUTIONS)

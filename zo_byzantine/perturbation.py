@@ -242,6 +242,11 @@ def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], 
     return stacked_y.reshape(count * x.shape[0], *stacked_y.shape[2:])
 
 
+def _count(usage: dict | None, key: str, index: int) -> None:
+    if usage is not None:
+        usage.setdefault(key, set()).add(index)
+
+
 def _buffer(scratch: dict | None, key, like: torch.Tensor) -> torch.Tensor | None:
     """A kept tensor shaped like ``like`` (``None`` without ``scratch``: the operation allocates)."""
     if scratch is None:
@@ -288,7 +293,8 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
     (the clients' different models in one forward). ``scratch``: a dict that keeps the memory of those stacked
     weights from one forward to the next (a fresh allocation costs more than the sum written into it).
     ``rows_of[j](g, rows, terms)``: rows ``rows`` of group ``g``'s parameter ``j`` plus ``sum terms``, for an
-    embedding table ``bases`` does not hold (``bases[j]`` is ``None``).
+    embedding table ``bases`` does not hold (``bases[j]`` is ``None``). ``usage`` also collects the parameter
+    indices read by rows (``"read_by_rows"``) and whole (``"read_whole"``).
     """
     owned_by = {id(module): owned for module, owned in table.owners}
     tied: dict = {}  # tied parameters' directions, drawn once for all their owners
@@ -310,7 +316,13 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                         for name, index in owned}
 
             def source(name: str, g: int | None) -> torch.Tensor:
-                return originals[name] if g is None or bases is None else bases[cache_of[name][0]][g]
+                if bases is None:
+                    return originals[name]
+                held = None if g is None else bases[cache_of[name][0]]
+                if held is None:  # only a group's own weights stand for it (never ``w``)
+                    raise RuntimeError(f"stacked forward: {name!r} of {type(module).__name__} is needed whole for "
+                                       f"group {g}, and the groups' local models hold it by rows only")
+                return held[g]
 
             def shifted(name: str, terms: Terms, g: int | None = None) -> torch.Tensor:
                 if name not in cache_of:  # a frozen parameter of the module
@@ -362,14 +374,17 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                 tensors = [v for v in [*args, *kwargs.values()] if torch.is_tensor(v) and v.dim() > 0]
                 single = len(args) == 1 and not kwargs and torch.is_tensor(args[0])
                 if per_group_products and single and plain_embedding and "weight" in cache_of:
+                    _count(usage, "read_by_rows", cache_of["weight"][0])
                     return _embedding_per_group(module, args[0], count, rows, group_rows)
+                for _, index in owned:
+                    _count(usage, "read_whole", index)
                 if any(v.shape[0] == count * rows for v in tensors):
                     if per_group_products and single and plain_linear and args[0].dim() > 1:
                         return _linear_per_group(module, args[0], count, stacked_weights)
                     return _stack_outputs([run(g, [_part(a, count, rows, g) for a in args],
                                                {k: _part(v, count, rows, g) for k, v in kwargs.items()})
                                            for g in range(count)], rows)
-                if (plain_linear and len(args) == 1 and not kwargs
+                if (plain_linear and bases is None and len(args) == 1 and not kwargs  # by linearity around w
                         and torch.is_tensor(args[0]) and args[0].dim() > 1 and args[0].shape[0] == rows):
                     if usage is not None:
                         usage["shared_products"] = usage.get("shared_products", 0) + 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -58,11 +59,12 @@ class Schedule:
         self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
         self.stack_rows = 0  # examples x models of one stacked forward (from the probe, when stacked)
         self.stack_clients = None if name == "auto" else False  # clients' local models in one forward: checked once
+        self.rows_only: tuple[int, ...] = ()  # then, the embedding tables the clients' local models keep by rows
 
     def decisions(self) -> dict:
         """What the checks decided, as plain values (``None``: not decided yet, left out): a Flower node keeps them
         in its state so that it checks once per run, as the trainer does, not at every plan."""
-        values = {"for_schedule": self.setting[0], "for_budget": self.setting[1], "name": self.name,
+        values = {"format": 1, "for_schedule": self.setting[0], "for_budget": self.setting[1], "name": self.name,
                   "verified": self.verified, "stack_rows": self.stack_rows, "stack": self.stack,
                   "stack_clients": self.stack_clients}
         return {key: value for key, value in values.items() if value is not None}
@@ -73,10 +75,12 @@ class Schedule:
         same settings; anything else, or values of other types, is ignored and checked again)."""
         schedule = cls(name, cache_budget_gb)
         decisions = dict(decisions or {})
-        if (decisions.get("for_schedule"), decisions.get("for_budget")) != schedule.setting:
+        settings = (decisions.get("format"), decisions.get("for_schedule"), decisions.get("for_budget"))
+        if settings != (1, *schedule.setting):
             return schedule
-        resolved = {name, *RESOLVES_TO.get(name, ())}
-        if decisions.get("name") not in resolved or type(decisions.get("verified")) is not bool:
+        verified = decisions.get("verified")
+        if (decisions.get("name") not in {name, *RESOLVES_TO.get(name, ())} or type(verified) is not bool
+                or (not verified and name != "antithetic")):  # only antithetic starts unchecked
             return schedule
         schedule.name, schedule.verified = decisions["name"], decisions["verified"]
         if name == "auto":
@@ -121,19 +125,27 @@ class LocalModels:
     bits; :meth:`materialize` forms them whole when a plain forward needs them.
     """
 
-    def __init__(self, table: ParameterTable, num_clients: int, cache: dict, rows_only=frozenset()):
-        self.table, self.m, self.cache = table, num_clients, cache
+    def __init__(self, table: ParameterTable, num_clients: int, rows_only=frozenset()):
+        self.table, self.m = table, num_clients
         self.rows_only = set(rows_only)
         self.held: list[tuple] = [() for _ in range(num_clients)]  # the terms each client's weights hold
         self.steps: list[list[Terms]] = [[] for _ in range(num_clients)]  # each client's advances, in order
         self.weights: list[torch.Tensor | None] | None = None  # per parameter [m, ...]; None: rows only
-        self.scratch: list[torch.Tensor | None] | None = None  # per parameter, one copy
+        self.scratch: list[torch.Tensor | None] | None = None  # per parameter, one copy (when drawing into a cache)
         self.row_models: dict = {}  # (index, client) -> (its rows, its model there, advances applied)
         self.row_draws: dict = {}  # (seed, index, client) -> (its rows, z there)
 
-    def advance(self, terms_per_client: list[Terms]) -> list[torch.Tensor | None] | None:
+    def pending(self, terms_per_client: list[Terms]) -> list[Terms]:
+        """The terms each client's weights still lack for ``terms_per_client`` (all of them when not an extension)."""
+        return [list(terms[len(held):]) if tuple(terms[: len(held)]) == held else list(terms)
+                for terms, held in zip(terms_per_client, self.held, strict=True)]
+
+    def advance(self, terms_per_client: list[Terms], cache: dict | None = None,
+                keep=frozenset()) -> list[torch.Tensor | None] | None:
         """Every client's weights ``w + sum terms_i`` (per parameter ``[m, ...]``; ``None`` for a parameter kept by
-        rows), or ``None`` when all terms are empty (``w`` itself)."""
+        rows), or ``None`` when all terms are empty (``w`` itself). A direction several clients add is drawn once
+        into ``cache`` (and dropped after each tensor unless its seed is in ``keep``); one a single client adds is
+        drawn and added in place by the generator's fused pass."""
         terms_per_client = [tuple(terms) for terms in terms_per_client]
         if not any(terms_per_client):
             return None
@@ -141,8 +153,7 @@ class LocalModels:
         if self.weights is None:
             self.weights = [None if j in self.rows_only else p.unsqueeze(0).repeat(self.m, *[1] * p.dim())
                             for j, p in enumerate(params)]
-            self.scratch = [None if w is None else torch.empty_like(p) for w, p in zip(self.weights, params,
-                                                                                       strict=True)]
+            self.scratch = [None] * len(params)
         new = []
         for i, terms in enumerate(terms_per_client):
             if terms[: len(self.held[i])] != self.held[i]:  # not an extension of the model held: start again from w
@@ -157,10 +168,21 @@ class LocalModels:
             if new[i]:
                 self.steps[i].append(new[i])
         directions = self.table.directions
-        for j, (w, scratch) in enumerate(zip(self.weights, self.scratch, strict=True)):
+        uses = Counter(seed for terms in new for seed, _ in terms)
+        for j, w in enumerate(self.weights):
+            if w is None:
+                continue
             for i, terms in enumerate(new):
-                if terms and w is not None:  # the sum is written into kept memory: no new memory per step
-                    w[i].add_(directions.total(scratch, j, terms, self.cache, out=scratch))
+                if terms and cache is not None and any(uses[seed] > 1 for seed, _ in terms):
+                    if self.scratch[j] is None:  # the sum is written into kept memory: none new per step
+                        self.scratch[j] = torch.empty_like(params[j])
+                    w[i].add_(directions.total(self.scratch[j], j, terms, cache, out=self.scratch[j]))
+                elif terms:
+                    directions.step_(w[i], j, terms, lr=-1.0)  # w_i + sum c z, the same arithmetic
+            if cache is not None:
+                for seed in uses:
+                    if seed not in keep:
+                        cache.pop((seed, j), None)
         return self.weights
 
     def materialize(self) -> list[torch.Tensor] | None:
@@ -170,11 +192,10 @@ class LocalModels:
             if self.weights is None:
                 continue
             p = self.table.params[j].detach()
-            self.weights[j], self.scratch[j] = p.unsqueeze(0).repeat(self.m, *[1] * p.dim()), torch.empty_like(p)
+            self.weights[j] = p.unsqueeze(0).repeat(self.m, *[1] * p.dim())
             for i in range(self.m):
                 for terms in self.steps[i]:
-                    self.weights[j][i].add_(self.table.directions.total(self.scratch[j], j, terms, self.cache,
-                                                                        out=self.scratch[j]))
+                    self.table.directions.step_(self.weights[j][i], j, terms, lr=-1.0)
         return self.weights
 
     def _draws(self, index: int, client: int, rows: torch.Tensor, terms: Terms) -> dict:
@@ -207,6 +228,8 @@ def rows_only_parameters(table: ParameterTable) -> set[int]:
     """Trainable parameters read only by rows: the weight of a plain ``nn.Embedding`` (no ``max_norm``), not tied
     to another module, and not inside another module that owns trainable parameters (which runs once per client
     with whole weights)."""
+    if not table.directions.draws_rows:  # drawing a table's rows would draw the whole table, per client
+        return set()
     owners = [module for module, _ in table.owners]
     found = set()
     for module, owned in table.owners:
@@ -270,9 +293,8 @@ class BatchedClients:
         self.recent: dict = {}
         self.scratch: dict = {}  # the stacked weights' memory, kept from one forward to the next
         keeps = schedule.keeps_local_models(table, num_clients)
-        rows_only = rows_only_parameters(table) if schedule.stack_clients is True else set()
-        self.local = (LocalModels(table, num_clients, cache if cache is not None else self.recent, rows_only)
-                      if keeps else None)
+        rows_only = set(schedule.rows_only) if schedule.stack_clients is True else set()
+        self.local = LocalModels(table, num_clients, rows_only) if keeps else None
         self.rows = torch.arange(num_clients, device=next(v for v in inputs.values() if torch.is_tensor(v)).device)
         self.rows = self.rows.repeat_interleave(batch)
 
@@ -319,41 +341,54 @@ class BatchedClients:
         first = terms_per_client[0]
         if all(terms == first for terms in terms_per_client):
             return self.batched_losses(self.inputs, self.rows, self.m, first, cache).cpu()
-        if cache is None and self._may_stack_clients():
+        if cache is None and self._may_stack_clients(terms_per_client):
             if self.schedule.stack_clients is None:
                 return self.checked_client_stacking(terms_per_client)
-            return self.stacked_clients(terms_per_client)
+            try:
+                return self.stacked_clients(terms_per_client)
+            except Exception as err:  # noqa: BLE001 -- a later step the check did not see: fall back, keep training
+                logger.warning("Stacked clients failed (%s: %s); evaluating client by client from here on.",
+                               type(err).__name__, err)
+                self.schedule.stack_clients = False
         return self.client_by_client(terms_per_client, cache)
 
-    def _may_stack_clients(self) -> bool:
-        """Stacking clients needs their local models (and scratch), the directions of the latest two steps and
-        the stacked weights of the linear layers (one copy per client, one scratch) in the budget, and all
-        examples in one forward."""
+    def _may_stack_clients(self, terms_per_client: list) -> bool:
+        """Stacking clients needs, within the budget: their local models and the directions they draw (a
+        direction several clients add, one tensor at a time; each distinct last term, whole), each linear layer's
+        stacked weights and their sum (m + 1 copies of its weight and bias, frozen or not); and all examples in
+        one forward."""
         split = self.chunk and self.chunk < _rows(self.inputs)
         if self.schedule.stack_clients is False or self.local is None or split:
             return False
         size = [p.numel() * p.element_size() for p in self.table.params]
-        linear = {index for module, owned in self.table.owners if isinstance(module, torch.nn.Linear)
-                  for _, index in owned}
-        needed = (self.m + 3) * sum(size) + (self.m + 1) * sum(size[j] for j in linear)
+        linear = sum(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+                     for module, _ in self.table.owners if isinstance(module, torch.nn.Linear))
+        pending = self.local.pending([terms[:-1] for terms in terms_per_client])
+        uses = Counter(seed for terms in pending for seed, _ in terms)
+        last = {terms[-1][0] for terms in terms_per_client if terms}
+        needed = ((self.m + 1) * sum(size) + len(last) * sum(size) + (self.m + 1) * linear
+                  + sum(1 for n in uses.values() if n > 1) * max(size))
         return needed <= self.schedule.cache_budget_gb * 2**30
 
-    def _bases(self, terms_per_client: list) -> tuple[list[torch.Tensor] | None, list]:
+    def _bases(self, terms_per_client: list, stacking: bool = False) -> tuple[list[torch.Tensor] | None, list]:
         """The clients' local models ``w + terms_i[:-1]`` (per parameter ``[m, ...]``; ``None``: all at ``w``) and
-        the terms left to add on them; the recent directions no client still needs are dropped."""
-        bases = self.local.advance([terms[:-1] for terms in terms_per_client])
+        the terms left to add on them; ``stacking``: directions several clients share are drawn once into the
+        recent ones, which keep only what a client still needs."""
+        last = {seed for terms in terms_per_client for seed, _ in terms[-1:]}
+        bases = self.local.advance([terms[:-1] for terms in terms_per_client], self.recent if stacking else None,
+                                   keep=last)
         rest = terms_per_client if bases is None else [terms[-1:] for terms in terms_per_client]
         needed = {seed for terms in rest for seed, _ in terms}
         for key in [k for k in self.recent if k[0] not in needed]:
             del self.recent[key]
         return bases, rest
 
-    def stacked_clients(self, terms_per_client: list) -> torch.Tensor:
+    def stacked_clients(self, terms_per_client: list, usage: dict | None = None) -> torch.Tensor:
         """Client ``i`` at ``w + sum terms_i`` for all clients in one forward of the stacked batch: each linear
         layer one batched product over the clients' weights, each embedding only the rows a client reads."""
-        bases, rest = self._bases(terms_per_client)
+        bases, rest = self._bases(terms_per_client, stacking=True)
         by_rows = {} if bases is None else {j: self._rows_of(j) for j in self.local.rows_only}
-        with stacked(self.table, rest, self.batch, bases=bases, cache=self.recent, per_group_products=True,
+        with stacked(self.table, rest, self.batch, usage, bases=bases, cache=self.recent, per_group_products=True,
                      scratch=self.scratch, rows_of=by_rows), self.context():
             sums, counts = self.forward(self.model, self.inputs)
         return client_losses(sums, counts, self.rows, self.m).cpu()
@@ -366,13 +401,17 @@ class BatchedClients:
         client-by-client ones (then used from here on), else those."""
         reference = self.client_by_client(terms_per_client)
         self.schedule.stack_clients = False  # unless the check below passes
+        usage: dict = {}
         try:
-            candidate = self.stacked_clients(terms_per_client)
+            candidate = self.stacked_clients(terms_per_client, usage)
         except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
             logger.info("zo_schedule='auto': clients not stacked (%s: %s).", type(err).__name__, err)
             return reference
         agrees = torch.allclose(candidate, reference, rtol=1e-4, atol=1e-6)
         self.schedule.stack_clients = bool(agrees)
+        # from the next round, the embedding tables this forward read by rows only are kept by rows
+        by_rows = usage.get("read_by_rows", set()) - usage.get("read_whole", set())
+        self.schedule.rows_only = tuple(sorted(by_rows & rows_only_parameters(self.table)))
         logger.info("zo_schedule='auto': clients' local models %s.", "stacked in one forward" if agrees else
                     "not stacked (the stacked forward does not give the client-by-client losses)")
         # as for stacked directions: the checking step returns what every later step computes
