@@ -242,18 +242,25 @@ class KeywordEmbedding(torch.nn.Module):
         return {"logits": self.head(self.table(input=ids).mean(dim=1))}
 
 
-def test_an_embedding_the_check_saw_read_whole_is_kept_whole_in_later_rounds(tmp_path):
+def _auto_and_client_by_client(tmp_path, make_model, rounds: int):
+    """The same K = 3 run with ``zo_schedule`` auto and two_forwards: (auto trainer, auto weights, reference
+    weights)."""
     runs = {}
     for schedule in ("auto", "two_forwards"):
         torch.manual_seed(0)
-        model = KeywordEmbedding().double()
-        trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path / schedule, max_steps=3,
+        model = make_model().double()
+        trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path / schedule, max_steps=rounds,
                                num_clients=3, per_device_train_batch_size=4, local_steps=3, local_learning_rate=0.5,
                                logging_steps=1, zo_schedule=schedule)
         trainer.train()
         runs[schedule] = (trainer, [p.detach().clone() for p in model.parameters()])
-    assert runs["auto"][0].schedule.stack_clients is True and runs["auto"][0].schedule.rows_only == ()
-    for a, b in zip(runs["auto"][1], runs["two_forwards"][1], strict=True):
+    return runs["auto"][0], runs["auto"][1], runs["two_forwards"][1]
+
+
+def test_an_embedding_the_check_saw_read_whole_is_kept_whole_in_later_rounds(tmp_path):
+    trainer, got, expected = _auto_and_client_by_client(tmp_path, KeywordEmbedding, rounds=3)
+    assert trainer.schedule.stack_clients is True and trainer.schedule.rows_only == ()
+    for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
@@ -333,15 +340,7 @@ class BatchCentred(torch.nn.Module):
 def test_clients_not_stacked_when_the_stacked_forward_differs(tmp_path):
     """A model whose output depends on the other examples of the batch gives other losses when the clients
     are stacked: the check at the first local step refuses it, and the run equals client by client."""
-    runs = {}
-    for schedule in ("auto", "two_forwards"):
-        torch.manual_seed(0)
-        model = BatchCentred().double()
-        trainer = make_trainer(model, VectorDataset(96, dtype=torch.float64), tmp_path / schedule, max_steps=2,
-                               num_clients=3, per_device_train_batch_size=4, local_steps=3, local_learning_rate=0.5,
-                               logging_steps=1, zo_schedule=schedule)
-        trainer.train()
-        runs[schedule] = (trainer, [p.detach().clone() for p in model.parameters()])
-    assert runs["auto"][0].schedule.stack_clients is False
-    for a, b in zip(runs["auto"][1], runs["two_forwards"][1], strict=True):
+    trainer, got, expected = _auto_and_client_by_client(tmp_path, BatchCentred, rounds=2)
+    assert trainer.schedule.stack_clients is False
+    for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
