@@ -247,8 +247,9 @@ def _count(usage: dict | None, key: str, index: int) -> None:
         usage.setdefault(key, set()).add(index)
 
 
-def _buffer(scratch: dict | None, key, like: torch.Tensor) -> torch.Tensor | None:
-    """A kept tensor shaped like ``like`` (``None`` without ``scratch``: the operation allocates)."""
+def kept_buffer(scratch: dict | None, key, like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor shaped like ``like`` kept in ``scratch`` under ``key`` from one call to the next (``None`` without
+    ``scratch``: the operation allocates)."""
     if scratch is None:
         return None
     if key not in scratch or scratch[key].shape != like.shape or scratch[key].dtype != like.dtype:
@@ -338,8 +339,8 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                     # the groups' local models plus one shared sum, in one broadcast add (perturb's arithmetic)
                     index, kept_draws = cache_of[name]
                     total = directions.total(originals[name], index, groups[0], kept_draws,
-                                             out=_buffer(scratch, (index, "sum"), originals[name]))
-                    return torch.add(bases[index], total, out=_buffer(scratch, (index, "stacked"), bases[index]))
+                                             out=kept_buffer(scratch, (index, "sum"), originals[name]))
+                    return torch.add(bases[index], total, out=kept_buffer(scratch, (index, "stacked"), bases[index]))
                 return torch.stack([shifted(name, groups[g], g) for g in range(count)])
 
             def group_rows(g: int, used: torch.Tensor) -> torch.Tensor:

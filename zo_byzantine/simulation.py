@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from .losses import client_losses, per_example_loss
-from .perturbation import ParameterTable, Terms, antithetic, perturbed, stacked
+from .perturbation import ParameterTable, Terms, antithetic, kept_buffer, perturbed, stacked
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +131,21 @@ class LocalModels:
         self.held: list[tuple] = [() for _ in range(num_clients)]  # the terms each client's weights hold
         self.steps: list[list[Terms]] = [[] for _ in range(num_clients)]  # each client's advances, in order
         self.weights: list[torch.Tensor | None] | None = None  # per parameter [m, ...]; None: rows only
-        self.scratch: list[torch.Tensor | None] | None = None  # per parameter, one copy (when drawing into a cache)
+        self.scratch: dict = {}  # per parameter, one copy (when drawing into a cache)
         self.row_models: dict = {}  # (index, client) -> (its rows, its model there, advances applied)
         self.row_draws: dict = {}  # (seed, index, client) -> (its rows, z there)
 
+    def _extends(self, client: int, terms) -> bool:
+        """Whether ``terms`` extend the terms client ``client``'s weights hold."""
+        return tuple(terms[: len(self.held[client])]) == self.held[client]
+
+    def _copies(self, param: torch.Tensor) -> torch.Tensor:
+        return param.detach().unsqueeze(0).repeat(self.m, *[1] * param.dim())
+
     def pending(self, terms_per_client: list[Terms]) -> list[Terms]:
         """The terms each client's weights still lack for ``terms_per_client`` (all of them when not an extension)."""
-        return [list(terms[len(held):]) if tuple(terms[: len(held)]) == held else list(terms)
-                for terms, held in zip(terms_per_client, self.held, strict=True)]
+        return [list(terms[len(self.held[i]):]) if self._extends(i, terms) else list(terms)
+                for i, terms in enumerate(terms_per_client)]
 
     def advance(self, terms_per_client: list[Terms], cache: dict | None = None,
                 keep=frozenset()) -> list[torch.Tensor | None] | None:
@@ -151,12 +158,10 @@ class LocalModels:
             return None
         params = [p.detach() for p in self.table.params]
         if self.weights is None:
-            self.weights = [None if j in self.rows_only else p.unsqueeze(0).repeat(self.m, *[1] * p.dim())
-                            for j, p in enumerate(params)]
-            self.scratch = [None] * len(params)
+            self.weights = [None if j in self.rows_only else self._copies(p) for j, p in enumerate(params)]
         new = []
         for i, terms in enumerate(terms_per_client):
-            if terms[: len(self.held[i])] != self.held[i]:  # not an extension of the model held: start again from w
+            if not self._extends(i, terms):  # not an extension of the model held: start again from w
                 for w, p in zip(self.weights, params, strict=True):
                     if w is not None:
                         w[i].copy_(p)
@@ -174,9 +179,8 @@ class LocalModels:
                 continue
             for i, terms in enumerate(new):
                 if terms and cache is not None and any(uses[seed] > 1 for seed, _ in terms):
-                    if self.scratch[j] is None:  # the sum is written into kept memory: none new per step
-                        self.scratch[j] = torch.empty_like(params[j])
-                    w[i].add_(directions.total(self.scratch[j], j, terms, cache, out=self.scratch[j]))
+                    scratch = kept_buffer(self.scratch, j, params[j])  # the sum into kept memory: none new per step
+                    w[i].add_(directions.total(scratch, j, terms, cache, out=scratch))
                 elif terms:
                     directions.step_(w[i], j, terms, lr=-1.0)  # w_i + sum c z, the same arithmetic
             if cache is not None:
@@ -191,8 +195,7 @@ class LocalModels:
             self.rows_only.discard(j)
             if self.weights is None:
                 continue
-            p = self.table.params[j].detach()
-            self.weights[j] = p.unsqueeze(0).repeat(self.m, *[1] * p.dim())
+            self.weights[j] = self._copies(self.table.params[j])
             for i in range(self.m):
                 for terms in self.steps[i]:
                     self.table.directions.step_(self.weights[j][i], j, terms, lr=-1.0)
@@ -292,6 +295,7 @@ class BatchedClients:
         # clients, or the local models' advances), dropped when no client needs them any more
         self.recent: dict = {}
         self.scratch: dict = {}  # the stacked weights' memory, kept from one forward to the next
+        self._sizes: tuple[int, int, int] | None = None  # bytes: all trainable, the largest tensor, linear layers'
         keeps = schedule.keeps_local_models(table, num_clients)
         rows_only = set(schedule.rows_only) if schedule.stack_clients is True else set()
         self.local = LocalModels(table, num_clients, rows_only) if keeps else None
@@ -360,14 +364,17 @@ class BatchedClients:
         split = self.chunk and self.chunk < _rows(self.inputs)
         if self.schedule.stack_clients is False or self.local is None or split:
             return False
-        size = [p.numel() * p.element_size() for p in self.table.params]
-        linear = sum(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-                     for module, _ in self.table.owners if isinstance(module, torch.nn.Linear))
+        if self._sizes is None:  # the same for every step of the round
+            size = [p.numel() * p.element_size() for p in self.table.params]
+            linear = sum(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+                         for module, _ in self.table.owners if isinstance(module, torch.nn.Linear))
+            self._sizes = (sum(size), max(size), linear)
+        whole, largest, linear = self._sizes
         pending = self.local.pending([terms[:-1] for terms in terms_per_client])
         uses = Counter(seed for terms in pending for seed, _ in terms)
         last = {terms[-1][0] for terms in terms_per_client if terms}
-        needed = ((self.m + 1) * sum(size) + len(last) * sum(size) + (self.m + 1) * linear
-                  + sum(1 for n in uses.values() if n > 1) * max(size))
+        needed = ((self.m + 1 + len(last)) * whole + (self.m + 1) * linear
+                  + sum(1 for n in uses.values() if n > 1) * largest)
         return needed <= self.schedule.cache_budget_gb * 2**30
 
     def _bases(self, terms_per_client: list, stacking: bool = False) -> tuple[list[torch.Tensor] | None, list]:
