@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import LogisticRegression, VectorDataset, make_trainer
 
-from zo_byzantine import native
+from zo_byzantine import directions, native
 from zo_byzantine.directions import (
     GAMMA,
     MIX1,
@@ -19,6 +19,7 @@ from zo_byzantine.directions import (
     TorchDirections,
     build_directions,
     counter_stream,
+    counter_streams,
     direction_seed,
     mix,
     tensor_seed,
@@ -100,6 +101,38 @@ def test_every_path_of_the_generator_gives_the_same_bits(dtype, monkeypatch):
     assert torch.equal(_bits(stepped), _bits(stepped_kept)) and torch.equal(_bits(stepped), _bits(plain_step))
     assert tracked.grad_fn is not None
     assert not torch.equal(fused, param)
+
+
+@needs_kernel
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_directions_drawn_together_are_each_direction_bitwise(distribution, monkeypatch):
+    """``counter_streams`` (every key's pairs in the same operations, chunks ending inside a row) gives the
+    kernel's stream of each key; ``draw_many`` and ``stacked_draws`` (kernel and plain path, some seeds cached)
+    give ``draw`` of each seed; a sum whose directions are drawn in blocks of two gives the fused kernel's sum."""
+    keys = [tensor_seed(direction_seed(4, t, 1, 0), 2) for t in range(5)]
+    for numel in (1, 2, 7, 1000):
+        expected = torch.empty(len(keys), numel)
+        for row, key in zip(expected, keys, strict=True):
+            native.generate(row, key, distribution == "gaussian")
+        for chunk in (3, 1 << 19):
+            monkeypatch.setattr(directions, "CHUNK_PAIRS", chunk)
+            assert torch.equal(_bits(counter_streams(keys, numel, distribution)), _bits(expected)), (numel, chunk)
+    gen = CounterDirections(distribution)
+    param = torch.randn(3, 333, generator=torch.Generator().manual_seed(2))
+    seeds = [direction_seed(4, 0, 1, r) for r in range(4)]
+    terms = list(zip([*seeds, seeds[0]], (1e-3, -0.5, 2.0, 0.25, 1.5), strict=True))  # a seed twice
+    reference = torch.stack([gen.draw(param, seed, 2) for seed in seeds])
+    fused = gen.perturb(param, 2, terms)
+    kernel = gen.draw_many(param, seeds, 2)
+    monkeypatch.setattr(native, "library", lambda: None)  # the plain path from here
+    monkeypatch.setattr(directions, "BLOCK_VALUES", 2 * param.numel())
+    cache = {(seeds[1], 2): reference[1]}
+    together = gen.stacked_draws(param.double(), 2, seeds, cache)
+    assert together.dtype == torch.float64 and set(cache) == {(seed, 2) for seed in seeds}
+    for other in (kernel, gen.draw_many(param, seeds, 2), together.float()):
+        assert torch.equal(_bits(other), _bits(reference))
+    assert torch.equal(_bits(gen.perturb(param, 2, terms)), _bits(fused))
+    assert gen.stacked_draws(param, 2, []).shape == (0, 3, 333)
 
 
 @pytest.mark.parametrize("generator", [CounterDirections(), CounterDirections("rademacher"), TorchDirections()])

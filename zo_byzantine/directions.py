@@ -70,9 +70,10 @@ def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
     return (x >> shift) & ((1 << (64 - shift)) - 1)
 
 
-def mix(key: int, pairs: torch.Tensor) -> torch.Tensor:
-    """``splitmix64(key + (pair + 1) GAMMA)`` for int64 ``pairs``, as int64 bit patterns (wrapping arithmetic)."""
-    x = (pairs + 1) * _signed(GAMMA) + _signed(key)
+def mix(key: int | torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """``splitmix64(key + (pair + 1) GAMMA)`` for int64 ``pairs``, as int64 bit patterns (wrapping arithmetic);
+    ``key`` an int or an int64 tensor of one key per pair."""
+    x = (pairs + 1) * _signed(GAMMA) + (key if torch.is_tensor(key) else _signed(key))
     x = (x ^ _lsr(x, 30)) * _signed(MIX1)
     x = (x ^ _lsr(x, 27)) * _signed(MIX2)
     return x ^ _lsr(x, 31)
@@ -125,19 +126,41 @@ def _rademacher_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 CHUNK_PAIRS = 1 << 19  # the plain path works in chunks: its ~40 temporaries stay ~100 MB, whatever the tensor
+GPU_CHUNK_PAIRS = 1 << 22  # on an accelerator each of the ~60 operations is a kernel launch: larger chunks
+BLOCK_VALUES = 1 << 26  # a sum's directions drawn together, at most this many values (256 MB) at a time
 
 
 def counter_stream(key: int, numel: int, distribution: str, device="cpu") -> torch.Tensor:
     """Elements ``0 .. numel-1`` of the counter stream of ``key`` (float32), in plain torch on any device with
     float64 ``sqrt`` (not MPS)."""
-    pairs = (numel + 1) // 2
-    out = torch.empty(2 * pairs, dtype=torch.float32, device=device)
+    return counter_streams([key], numel, distribution, device)[0]
+
+
+def counter_streams(keys: list[int], numel: int, distribution: str, device="cpu",
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(keys), numel]``: row ``i`` is :func:`counter_stream` of ``keys[i]``, all rows drawn by the same
+    vectorised operations over the concatenated pairs of every key (an element depends on its key and position
+    alone), so that many small tensors' directions cost one chunk's kernel launches, not one per key. ``out``: a
+    contiguous float32 ``[len(keys), numel]`` tensor to write into."""
+    pairs, count = (numel + 1) // 2, len(keys)
+    if out is None:
+        out = torch.empty(count, numel, dtype=torch.float32, device=device)
+    device = out.device
+    work = out.view(-1) if numel % 2 == 0 else torch.empty(count * 2 * pairs, dtype=torch.float32, device=device)
     transform = _gaussian_pair if distribution == "gaussian" else _rademacher_pair
-    for start in range(0, pairs, CHUNK_PAIRS):
-        stop = min(pairs, start + CHUNK_PAIRS)
-        za, zb = transform(mix(key, torch.arange(start, stop, dtype=torch.int64, device=device)))
-        out[2 * start : 2 * stop] = torch.stack([za, zb], dim=1).reshape(-1)
-    return out[:numel]
+    key_of = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=device)
+    chunk = CHUNK_PAIRS if device.type == "cpu" else GPU_CHUNK_PAIRS
+    for start in range(0, count * pairs, chunk):
+        flat = torch.arange(start, min(count * pairs, start + chunk), dtype=torch.int64, device=device)
+        if count == 1:
+            za, zb = transform(mix(key_of, flat))
+        else:
+            row = flat // pairs
+            za, zb = transform(mix(key_of[row], flat - row * pairs))
+        work[2 * start : 2 * start + 2 * len(flat)] = torch.stack([za, zb], dim=1).reshape(-1)
+    if numel % 2:
+        out.copy_(work.view(count, 2 * pairs)[:, :numel])
+    return out
 
 
 def counter_values(key: int, elements: torch.Tensor, distribution: str) -> torch.Tensor:
@@ -183,6 +206,31 @@ class Directions:
     def draw(self, like: torch.Tensor, seed: int, index: int) -> torch.Tensor:
         """``z_index`` of direction ``seed``, shaped like ``like``, on its device."""
         raise NotImplementedError
+
+    def draw_many(self, like: torch.Tensor, seeds: list[int], index: int) -> torch.Tensor:
+        """``[len(seeds), *like.shape]``: :meth:`draw` of each seed (a generator may draw them together)."""
+        return torch.stack([self.draw(like, seed, index) for seed in seeds])
+
+    def stacked_draws(self, like: torch.Tensor, index: int, seeds: list[int], cache: dict | None = None
+                      ) -> torch.Tensor:
+        """``[len(seeds), *like.shape]`` in ``like``'s dtype: ``total(like, index, [(s, 1.0)], cache)`` of each seed
+        (the same values: ``z * 1`` is exact), the seeds ``cache`` lacks drawn together."""
+        if not seeds:
+            return like.new_empty((0, *like.shape))
+        drawn = self._drawn(like, index, seeds, cache)
+        return torch.stack([drawn[seed] for seed in seeds]).to(like.dtype)
+
+    def _drawn(self, like: torch.Tensor, index: int, seeds: list[int], cache: dict | None) -> dict:
+        """``{seed: z_index}``: what ``cache`` keeps, the others drawn together by :meth:`draw_many` (and kept in
+        ``cache`` when given)."""
+        held = {} if cache is None else {s: cache[(s, index)] for s in seeds if (s, index) in cache}
+        missing = [s for s in dict.fromkeys(seeds) if s not in held]
+        if missing:
+            for seed, z in zip(missing, self.draw_many(like, missing, index), strict=True):
+                held[seed] = z
+                if cache is not None:
+                    cache[(seed, index)] = z
+        return held
 
     def total(self, like: torch.Tensor, index: int, terms: Terms, cache: dict | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -298,14 +346,20 @@ class CounterDirections(Directions):
         return values.view(len(rows), *like.shape[1:])
 
     def draw(self, like, seed, index):
+        return self.draw_many(like, [seed], index)[0]
+
+    def draw_many(self, like, seeds, index):
+        """The compiled kernel one seed after the other; the plain path all seeds in the same operations
+        (:func:`counter_streams`)."""
         self._real(like)
-        key = tensor_seed(seed, index)
-        COUNTER.add(like.numel())
+        keys = [tensor_seed(seed, index) for seed in seeds]
+        COUNTER.add(like.numel() * len(keys))
         if self._native(like):
-            out = torch.empty(like.shape, dtype=torch.float32)
-            native.generate(out, key, self.distribution == "gaussian")
+            out = torch.empty(len(keys), *like.shape, dtype=torch.float32)
+            for row, key in zip(out, keys, strict=True):
+                native.generate(row, key, self.distribution == "gaussian")
             return out
-        return counter_stream(key, like.numel(), self.distribution, like.device).view(like.shape)
+        return counter_streams(keys, like.numel(), self.distribution, like.device).view(len(keys), *like.shape)
 
     @staticmethod
     def _real(param: torch.Tensor) -> torch.Tensor:
@@ -318,12 +372,16 @@ class CounterDirections(Directions):
         if not terms:
             return torch.zeros_like(like)
         ct, acc = self._compute_type(self._real(like)), None
-        for seed, coeff in terms:
-            z = self._cached(like, seed, index, cache).to(ct)
-            if acc is None:
-                acc = z * coeff if out is None or out.dtype != ct else torch.mul(z, coeff, out=out)
-            else:
-                acc = acc.add_(z * coeff) if acc is out else acc + z * coeff
+        per_block = 1 if self._native(like) else max(1, BLOCK_VALUES // max(1, like.numel()))
+        for start in range(0, len(terms), per_block):
+            block = terms[start : start + per_block]
+            drawn = self._drawn(like, index, [seed for seed, _ in block], cache)
+            for seed, coeff in block:
+                z = drawn[seed].to(ct)
+                if acc is None:
+                    acc = z * coeff if out is None or out.dtype != ct else torch.mul(z, coeff, out=out)
+                else:
+                    acc = acc.add_(z * coeff) if acc is out else acc + z * coeff
         return acc
 
     def _fused(self, base: torch.Tensor, out: torch.Tensor, index: int, terms: Terms) -> None:

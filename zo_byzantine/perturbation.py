@@ -210,10 +210,11 @@ def _stack_outputs(outputs: list, rows: int):
     raise TypeError(f"stacked forward cannot join outputs of type {type(first).__name__}")
 
 
-def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], shifted, direction) -> torch.Tensor:
+def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], shifted, directions) -> torch.Tensor:
     """Every group's ``x W_g^T + b_g``, group-major, from one matrix product (the groups share the input ``x``).
 
-    ``shifted(name, terms)``: the parameter ``name`` plus ``sum terms``; ``direction(name, seed)``: its ``z``.
+    ``shifted(name, terms)``: the parameter ``name`` plus ``sum terms``; ``directions(name, seeds)``: its ``z`` of
+    each seed, stacked ``[len(seeds), ...]`` (drawn together).
     When the groups share their terms but one each (the two-point pairs ``+-mu z_r``), by linearity
     ``y_g = x W_0^T + b_0 + c_g (x Z_{k_g}^T + z^b_{k_g})`` with ``W_0 = W + shared terms``: one product with
     ``(1 + K) out`` columns (``K`` distinct directions) instead of ``G out``. Else ``x [W_1; ...; W_G]^T``."""
@@ -222,9 +223,9 @@ def _linear_all_groups(module: nn.Linear, x: torch.Tensor, groups: list[Terms], 
     rest = [[t for t in g if t not in shared] for g in groups]
     if all(len(r) <= 1 for r in rest):
         seeds = list(dict.fromkeys(r[0][0] for r in rest if r))
-        weight = torch.cat([shifted("weight", shared), *[direction("weight", s) for s in seeds]])
+        weight = torch.cat([shifted("weight", shared), directions("weight", seeds).flatten(0, 1)])
         bias = None if module.bias is None else torch.cat([shifted("bias", shared),
-                                                             *[direction("bias", s) for s in seeds]])
+                                                           directions("bias", seeds).flatten(0, 1)])
         y = nn.functional.linear(x, weight, bias).unflatten(-1, (1 + len(seeds), out))
         blocks = y.movedim(-2, 0).contiguous()  # [1 + K, ..., out]: y_0, then x Z_k^T + z^b_k
         which = [1 + seeds.index(r[0][0]) if r else 0 for r in rest]
@@ -350,11 +351,12 @@ def stacked(table: ParameterTable, groups: list[Terms], rows: int, usage: dict |
                 return directions.perturb_rows(source("weight", g), index, groups[g], used,
                                                kept_draws).to(originals["weight"].dtype)
 
-            def drawn(name: str, seed: int) -> torch.Tensor:
+            def drawn(name: str, seeds: list[int]) -> torch.Tensor:
                 if name not in cache_of:
-                    return torch.zeros_like(getattr(module, name))
+                    frozen = getattr(module, name)
+                    return frozen.new_zeros((len(seeds), *frozen.shape))
                 index, cache = cache_of[name]
-                return directions.total(originals[name], index, [(seed, 1.0)], cache)
+                return directions.stacked_draws(originals[name], index, seeds, cache)
 
             def weights(g: int) -> dict:
                 return {name: shifted(name, groups[g], g) for name, _ in owned}

@@ -1,0 +1,102 @@
+"""Operations (each a kernel launch on an accelerator) of a FedES round's direction draws on the plain-torch path
+(the path of every device but a CPU with the compiled kernel): one direction at a time against drawn together.
+
+    python benchmarks/launches.py            # fedes.py's 784-1024-1024-10 MLP, 10 clients, n_B = 256 (24 directions)
+    python benchmarks/launches.py --nu 94    # n_B = 64
+
+Per trainable tensor a FedES round draws each client's nu directions for its stacked forward, then the update's
+sum over all m nu directions. "One at a time" is the code before :meth:`Directions.stacked_draws`: ``draw`` per
+seed, a sum's directions one by one, chunks of 2^19 pairs; "together": :func:`counter_streams` over all seeds of a
+tensor in chunks of 2^22 pairs (``GPU_CHUNK_PAIRS``). Operations are counted on the ``meta`` device (the same
+calls, no arithmetic). On a lent H100 the draws were launch-bound: about 1.3 ms per ``draw``, 2,880 draws and ~3.9 s
+per round at n_B = 256 (benchmarks/README.md). ``--cpu_clients N`` also times the plain path on this CPU for N
+clients, both ways interleaved (not the CPU's own path, which is the compiled kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+from _common import interleaved, machine
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zo_byzantine import directions
+from zo_byzantine.directions import CounterDirections, direction_seed
+
+SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
+
+
+class CountOperations(TorchDispatchMode):
+    """Counts the ATen operations run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def one_at_a_time():
+    """The code before directions were drawn together: 2^19-pair chunks on every device, sums term by term."""
+    saved = directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES
+    directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = directions.CHUNK_PAIRS, 1
+    try:
+        yield
+    finally:
+        directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = saved
+
+
+def draws_of_a_round(likes: list[torch.Tensor], clients: int, nu: int, together: bool) -> None:
+    gen = CounterDirections()
+    for j, like in enumerate(likes):
+        for i in range(clients):
+            seeds = [direction_seed(0, 0, 1, r, i) for r in range(nu)]
+            if together:
+                gen.stacked_draws(like, j, seeds, {})
+            else:
+                torch.stack([gen.total(like, j, [(seed, 1.0)], {}) for seed in seeds])
+        gen.total(like, j, [(direction_seed(0, 0, 1, r, i), 1e-3) for i in range(clients) for r in range(nu)])
+
+
+def operations(clients: int, nu: int, together: bool) -> int:
+    likes = [torch.empty(shape, device="meta") for shape in SHAPES]
+    with contextlib.nullcontext() if together else one_at_a_time(), CountOperations() as counter:
+        draws_of_a_round(likes, clients, nu, together)
+    return counter.count
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--nu", type=int, default=24, help="directions per client (ceil(6000 / n_B))")
+    parser.add_argument("--cpu_clients", type=int, default=0, help="also time the plain path for this many clients")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    before, after = (operations(args.clients, args.nu, together) for together in (False, True))
+    print(f"FedES round, {args.clients} clients x {args.nu} directions, MLP 784-1024-1024-10 (plain-torch path):")
+    print(f"  operations, one at a time: {before:,}")
+    print(f"  operations, drawn together: {after:,}   ratio {before / after:.1f}x fewer")
+    if args.cpu_clients:
+        likes = [torch.empty(shape) for shape in SHAPES]
+
+        def timed(together):
+            def run():
+                with contextlib.nullcontext() if together else one_at_a_time():
+                    draws_of_a_round(likes, args.cpu_clients, args.nu, together)
+            return run
+
+        with torch.no_grad():
+            times = interleaved({"one at a time": timed(False), "together": timed(True)}, args.repeats,
+                                reference="one at a time")
+        print(f"  CPU plain path, {args.cpu_clients} clients ({machine()}): one at a time "
+              f"{times['one at a time'][0]:.2f} s, together {times['together'][0]:.2f} s "
+              f"(median ratio together / one at a time {times['together'][1]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
