@@ -8,9 +8,12 @@ its batch b, sends the B_k loss differences, and the server steps ``w -= alpha s
 
 Our configuration: ``directions="per_client"``, ``aggregator="mean"``, n = 10, b = 0, ``num_perturbations`` = B_k,
 ``per_device_train_batch_size`` = n_B, ``zo_eps`` = sigma = 1e-3 (the paper does not state sigma), constant
-learning rate 0.01. One difference: our client evaluates its B_k directions on one batch of n_B examples per round
-(640 images a round over the federation at n_B = 64), where FedES gives each direction its own batch (one epoch a
-round). The directions, their number and the update are the paper's; the estimate averages over fewer examples.
+learning rate 0.01. ``--batches per_direction`` (``zo_direction_batch_size`` = n_B, ``per_device_train_batch_size``
+= B_k n_B) gives each direction its own batch of n_B as FedES does (one epoch a round, its last batch filled from
+the next epoch: 6,016 images per client at n_B = 64); ``--batches one`` (the runs before it; names without ``_db``)
+evaluates all B_k directions on one batch of n_B examples per round (640 images a round over the federation at
+n_B = 64): the directions, their number and the update are the paper's, the estimate averaging over fewer
+examples.
 FedGD (the paper's first-order reference, Fig. 1): ``estimator="first_order"``, each client's gradient on its whole
 6,000 images, the server averaging them (full-batch gradient descent), learning rate 0.01; on equal-sized clients
 only (``iid``, ``shards``). Under ``dirichlet`` the clients' sizes differ: FedES weights their scalars by size, as the
@@ -80,7 +83,7 @@ def batches_per_client(n_b: int, per_client: int = PER_CLIENT) -> int:
 
 
 def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: int, eval_every: int,
-              budget_gb: float, per_client: int) -> ZOByzantineArguments:
+              budget_gb: float, per_client: int, per_direction: bool = False) -> ZOByzantineArguments:
     """The federation of a FedES (or FedGD) run; see the module's docstring."""
     if method not in METHODS:
         raise ValueError(f"--method={method!r}; accepted: {', '.join(METHODS)}.")
@@ -95,15 +98,20 @@ def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: in
     )
     if method == "fedgd":
         return ZOByzantineArguments(**common, estimator="first_order", per_device_train_batch_size=per_client)
-    return ZOByzantineArguments(**common, directions="per_client", per_device_train_batch_size=n_b, zo_eps=1e-3,
-                                num_perturbations=batches_per_client(n_b, per_client))
+    nu = batches_per_client(n_b, per_client)
+    return ZOByzantineArguments(**common, directions="per_client", zo_eps=1e-3, num_perturbations=nu,
+                                per_device_train_batch_size=nu * n_b if per_direction else n_b,
+                                zo_direction_batch_size=n_b if per_direction else 0)
 
 
-def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False, inputs: str = "standardized") -> str:
+def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False, inputs: str = "standardized",
+         batches: str = "one") -> str:
     """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``; ``_unit``
-    for pixels in [0, 1]; a smoke run's name starts with ``smoke_`` (its checkpoints never meet a real run's)."""
+    for pixels in [0, 1]; ``_db`` for a batch per direction; a smoke run's name starts with ``smoke_`` (its
+    checkpoints never meet a real run's)."""
     name = f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
     name += "_unit" if inputs == "unit" else ""
+    name += "_db" if batches == "per_direction" and method == "fedes" else ""
     return "smoke_" + name if smoke else name
 
 
@@ -145,9 +153,9 @@ def run(args, previous: dict | None) -> dict:
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
     folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed, args.smoke,
-                                                     args.inputs))
+                                                     args.inputs, args.batches))
     zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
-                   args.budget_gb, per_client)
+                   args.budget_gb, per_client, args.batches == "per_direction")
     torch.manual_seed(args.seed)
     trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
                                  data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
@@ -164,6 +172,7 @@ def run(args, previous: dict | None) -> dict:
     legs.append({"device": device, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
     result = {
         "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "inputs": args.inputs,
+        "batches": args.batches if args.method == "fedes" else None,
         "clients": CLIENTS, "diverged_at": diverged.diverged_at,
         "per_client": per_client, "estimator": zo.estimator, "directions": zo.directions,
         "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
@@ -186,6 +195,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--inputs", default="standardized", choices=("standardized", "unit"),
                         help="pixels (x/255 - 0.1307)/0.3081 or x/255 (the paper does not say)")
+    parser.add_argument("--batches", default="one", choices=("one", "per_direction"),
+                        help="one batch of n_B for all directions of a round, or one per direction (FedES)")
     parser.add_argument("--rounds", type=int, default=100_000)
     parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     parser.add_argument("--wall_minutes", type=float, default=None, help="stop at this wall time since start")
@@ -212,7 +223,7 @@ def main(argv=None):
     if args.smoke:
         args.rounds, args.eval_every = min(args.rounds, 4), 2
     path = os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed, args.smoke,
-                                            args.inputs) + ".json")
+                                            args.inputs, args.batches) + ".json")
     previous = None
     if os.path.exists(path):
         with open(path) as f:
@@ -238,7 +249,7 @@ def report(runs_dir: str, path: str) -> list[str]:
             with open(os.path.join(runs_dir, name)) as f:
                 r = json.load(f)
             n_b = r["n_B"] if r["method"] == "fedes" else None
-            key = (r["method"], r["split"], n_b, r.get("inputs", "standardized"))
+            key = (r["method"], r["split"], n_b, r.get("inputs", "standardized"), r.get("batches") or "one")
             runs.setdefault(key, []).append(r)
 
     def cell(key):
@@ -252,21 +263,24 @@ def report(runs_dir: str, path: str) -> list[str]:
             parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {end}, {'+'.join(devices)})")
         return " / ".join(parts)
 
-    lines = ["| method | inputs | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | "
-             "ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|"]
-    for inputs in sorted({key[3] for key in runs} | {"standardized"}, key=lambda name: name != "standardized"):
+    lines = ["| method | inputs | batches | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | "
+             "ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|---|"]
+    first = ("standardized", "one")
+    kinds = sorted({key[3:] for key in runs} | {first}, key=lambda kind: kind != first)
+    for inputs, batches in kinds:
         for n_b, (iid, non_iid) in PAPER.items():
-            cells = [cell(("fedes", split, n_b, inputs)) for split in SPLITS]
-            if inputs == "standardized" or any(c != "not run" for c in cells):
-                lines.append(f"| FedES | {inputs} | {n_b} | {batches_per_client(n_b)} | {iid} | {cells[0]} | "
-                             f"{non_iid} | {cells[1]} | {cells[2]} |")
-        cells = [cell(("fedgd", split, None, inputs)) for split in SPLITS]
-        if inputs == "standardized" or any(c != "not run" for c in cells):
-            lines.append(f"| FedGD | {inputs} | {PER_CLIENT} | (gradient) | | {cells[0]} | | {cells[1]} | {cells[2]} |")
+            cells = [cell(("fedes", split, n_b, inputs, batches)) for split in SPLITS]
+            if any(c != "not run" for c in cells) or (inputs, batches) == first:
+                lines.append(f"| FedES | {inputs} | {batches} | {n_b} | {batches_per_client(n_b)} | {iid} | "
+                             f"{cells[0]} | {non_iid} | {cells[1]} | {cells[2]} |")
+        cells = [cell(("fedgd", split, None, inputs, batches)) for split in SPLITS]
+        if any(c != "not run" for c in cells) or (inputs, batches) == first:
+            lines.append(f"| FedGD | {inputs} | (all) | {PER_CLIENT} | (gradient) | | {cells[0]} | | {cells[1]} | "
+                         f"{cells[2]} |")
     lines += ["", "Test accuracy (%) at every evaluation (round: accuracy):", ""]
-    for (method, split, n_b, inputs), group in runs.items():
+    for (method, split, n_b, inputs, batches), group in runs.items():
         for r in group:
-            lines.append(f"- {stem(method, split, n_b or 0, r['seed'], inputs=inputs)}: "
+            lines.append(f"- {stem(method, split, n_b or 0, r['seed'], inputs=inputs, batches=batches)}: "
                          + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
         f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]

@@ -50,6 +50,10 @@ CASES = {
     "per-client directions (FedES), unequal partitions": (
         dict(num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean", directions="per_client",
              **{"min-nodes": 4, "task-examples": 90}), {}, "none"),
+    "FedES, each direction on its own batch": (
+        dict(num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean", directions="per_client",
+             per_device_train_batch_size=6, zo_direction_batch_size=3, **{"min-nodes": 4, "task-examples": 90}),
+        {}, "none"),
     "cwtm, label-flipping node": (
         dict(num_clients=4, clients_per_round=4, **{"min-nodes": 4, "task-examples": 90}),
         {"0": {"attack": "lf:num_classes=2"}}, "lf:num_classes=2"),

@@ -60,14 +60,17 @@ class Reference:
         return torch.cat([gaussian_like(p, seed, j).flatten() for j, p in self.table])
 
     def loss(self, w, t, client):
-        idx = self.fed.round_indices(t)[client * B : (client + 1) * B]
-        x = torch.stack([self.dataset[i]["x"] for i in idx])
-        y = torch.stack([self.dataset[i]["labels"] for i in idx])
+        return self.loss_on(w, self.fed.round_indices(t)[client * B : (client + 1) * B])
+
+    def loss_on(self, w, indices):
+        """Loss at the weight vector ``w`` on the examples ``indices`` of the data set."""
         start = 0
         with torch.no_grad():
             for p in self.table.params:
                 p.copy_(w[start : start + p.numel()].view_as(p))
                 start += p.numel()
+            x = torch.stack([self.dataset[i]["x"] for i in indices])
+            y = torch.stack([self.dataset[i]["labels"] for i in indices])
             return torch.nn.functional.cross_entropy(self.model(x)["logits"], y)
 
     def v(self, w, t, client, zs, estimator="two_point"):
@@ -266,6 +269,46 @@ def test_fedes_with_one_client_is_the_antithetic_two_point_step(tmp_path):
     z = ref.z(trainer.args.zo_seed, 0, 1, 0, 0)  # client 0's own direction
     g = (ref.loss(w + MU * z, 0, 0) - ref.loss(w - MU * z, 0, 0)) / (2 * MU)
     torch.testing.assert_close(_flat(model), w - 0.1 * g * z, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("directions", ["per_client", "shared"])
+def test_each_direction_on_its_own_batch_is_the_papers_fedes_step(tmp_path, directions):
+    """``zo_direction_batch_size = n_B``: direction ``r`` of client ``i`` is evaluated on examples ``[r n_B, (r+1)
+    n_B)`` of the client's batch (FedES's one loss difference per batch), written out by copying the model."""
+    n_b, nu, rounds = 3, 4, 2
+    model = _model()
+    start = copy.deepcopy(model)
+    trainer = _trainer(model, tmp_path, directions=directions, aggregator="mean", num_perturbations=nu,
+                       per_device_train_batch_size=nu * n_b, zo_direction_batch_size=n_b, max_steps=rounds)
+    trainer.train()
+    ref = Reference(start, trainer.train_dataset, trainer)
+    w = _flat(start)
+    for t in range(rounds):
+        indices = trainer.federation.round_indices(t)
+        g = torch.zeros_like(w)
+        for i in range(N):
+            for r in range(nu):
+                rows = indices[i * nu * n_b + r * n_b : i * nu * n_b + (r + 1) * n_b]
+                z = ref.z(ref.seed, t, 1, r, i) if directions == "per_client" else ref.z(ref.seed, t, 1, r)
+                slope = (ref.loss_on(w + MU * z, rows) - ref.loss_on(w - MU * z, rows)) / (2 * MU)
+                g = g + slope / nu * z / N
+        w = w - 0.1 * g
+    torch.testing.assert_close(_flat(model), w, rtol=1e-10, atol=1e-12)
+    replayed = copy.deepcopy(start)
+    replay(replayed, trainer.ledger.to_dict())
+    assert torch.equal(_flat(replayed), _flat(model))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(per_device_train_batch_size=5), "per_device_train_batch_size = num_perturbations x"),
+    (dict(estimator="one_point"), "estimator='two_point'"),
+    (dict(local_steps=2), "local_steps=1"),
+    (dict(zo_direction_batch_size=-1), "zo_direction_batch_size"),
+])
+def test_direction_batches_refuse_what_they_cannot_mean(tmp_path, kwargs, match):
+    settings = {"num_perturbations": 2, "per_device_train_batch_size": 6, "zo_direction_batch_size": 3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        _trainer(_model(), tmp_path, **settings)
 
 
 def test_fedes_clients_use_their_own_directions_and_data_size_weights(tmp_path):

@@ -153,6 +153,14 @@ def test_fedgd_smoke_is_first_order_full_batch(tmp_path):
     assert result["curve"][-1][1] != result["start"]
 
 
+def test_fedes_smoke_with_a_batch_per_direction(tmp_path):
+    """``--batches per_direction``: 4 directions of 16 images each per client (its 64), a run of its own name."""
+    result = _fedes(tmp_path, "--batches", "per_direction", "--n_B", "16")
+    assert (result["batches"], result["directions_per_client"], result["rounds"]) == ("per_direction", 4, 4)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".json"] == ["smoke_fedes_iid_nB16_s0_db.json"]
+    assert result["curve"][-1][1] != result["start"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--n_B", "0"], "--n_B=0"), (["--rounds", "0"], "--rounds=0"), (["--eval_every", "-1"], "--eval_every=-1"),
     (["--method", "fedgd", "--split", "dirichlet"], "accepted splits for fedgd: iid, shards"),

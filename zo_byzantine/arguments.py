@@ -111,6 +111,10 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+        zo_direction_batch_size (`int`, defaults to 0): `n_B`: direction `r` of a client is evaluated on examples
+            `[r n_B, (r+1) n_B)` of its batch (FedES, paper 001: one loss difference per batch of `n_B`), so
+            `per_device_train_batch_size = num_perturbations * n_B`; two-point estimator, one local step. 0: every
+            direction on the client's whole batch.
         zo_schedule (`str`, defaults to `"auto"`): how a two-point estimate is evaluated; every schedule gives the
             losses of two forwards. `"two_forwards"`: two forwards, z drawn (fused into p + c z) for each and for the
             update (3 generator passes per direction; inference-level memory). `"cached"`: the round's directions
@@ -184,6 +188,10 @@ class ZOByzantineArguments(TrainingArguments):
     local_update: LocalUpdate = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
+    zo_direction_batch_size: int = field(
+        default=0, metadata={"help": "n_B: each direction on its own n_B examples of the client's batch (FedES); "
+                                     "0 = every direction on the whole batch."}
+    )
     zo_schedule: ScheduleName = field(
         default="auto", metadata={"help": "auto (two_forwards with fused draws, else cached, within "
                                           "zo_cache_budget_gb; stacked models where they apply), two_forwards, "
@@ -249,6 +257,7 @@ class ZOByzantineArguments(TrainingArguments):
             check_integer(name, getattr(self, name), 1)
         check_integer("num_byzantine", self.num_byzantine, 0)
         check_integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
+        check_integer("zo_direction_batch_size", self.zo_direction_batch_size, 0)
         check_real("zo_cache_budget_gb", self.zo_cache_budget_gb, 0.0)
         for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
             if getattr(self, name) is not None:
@@ -305,6 +314,15 @@ class ZOByzantineArguments(TrainingArguments):
             raise ValueError(
                 "directions='per_client' (FedES) needs aggregator='mean', no pre_aggregators, aggregation_space="
                 "'projection' and local_update != 'compressed': each client's scalars live in its own basis."
+            )
+        n_b = self.zo_direction_batch_size
+        if n_b and (self.estimator != "two_point" or self.local_steps != 1
+                    or self.per_device_train_batch_size != self.num_perturbations * n_b):
+            raise ValueError(
+                f"zo_direction_batch_size={n_b} (each direction on its own {n_b} examples) needs "
+                f"estimator='two_point', local_steps=1 and per_device_train_batch_size = num_perturbations x "
+                f"zo_direction_batch_size = {self.num_perturbations * n_b}; got estimator={self.estimator!r}, "
+                f"local_steps={self.local_steps}, per_device_train_batch_size={self.per_device_train_batch_size}."
             )
         if self.aggregation_space == "parameter" and self.local_update == "compressed":
             raise ValueError("aggregation_space='parameter' does not combine with local_update='compressed'.")

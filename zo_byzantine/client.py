@@ -68,8 +68,8 @@ def gram(table: ParameterTable, left: list[int], right: list[int]) -> torch.Tens
     """``G[a, b] = <z(left[a]), z(right[b])>`` over all parameters, streaming tensor by tensor."""
     total = torch.zeros(len(left), len(right), dtype=torch.float64)
     for j, p in table:
-        a = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in left])
-        b = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in right])
+        a = table.directions.draw_many(p, left, j).flatten(1).double()
+        b = table.directions.draw_many(p, right, j).flatten(1).double()
         total += (a @ b.T).cpu()
     return total
 

@@ -66,7 +66,7 @@ def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) 
     """Rows ``sum_r v_i[r] z_r`` in R^d (m x d): the FedZO view of the clients' estimates."""
     parts = []
     for j, p in table:
-        z = torch.stack([table.directions.draw(p, s, j).flatten().double() for s in seeds])
+        z = table.directions.draw_many(p, seeds, j).flatten(1).double()
         parts.append(vectors @ z.cpu())  # the reports' scalars are on the CPU; the model may not be
     return torch.cat(parts, dim=1)
 

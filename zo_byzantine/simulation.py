@@ -284,10 +284,15 @@ class BatchedClients:
         forward_batch_size: int = 0,
         context: Callable = contextlib.nullcontext,
         cache: dict | None = None,
+        direction_batch: int = 0,
     ):
         total = _rows(inputs)
         if total != num_clients * batch:
             raise ValueError(f"A round's batch has {total} rows; expected {num_clients} clients x {batch} examples.")
+        if direction_batch and batch % direction_batch:
+            raise ValueError(f"zo_direction_batch_size={direction_batch} does not divide the clients' batch {batch}.")
+        self.direction_batch = direction_batch
+        self._per_direction: BatchedClients | None = None  # the m nu (client, direction) batches, built once
         self.model, self.table, self.inputs = model, table, inputs
         self.m, self.batch, self.forward, self.schedule = num_clients, batch, forward, schedule
         self.chunk, self.context, self.cache = forward_batch_size, context, cache
@@ -448,6 +453,8 @@ class BatchedClients:
         stacked forwards when the clients share their model (``offset_i`` alike: K = 1, or a first local step) and
         stacking was chosen, else one direction at a time. Shared directions stack every client's examples in each
         forward; per-client directions (FedES) stack each client's 2 nu models on its own examples."""
+        if self.direction_batch:
+            return self._direction_batches(offsets, seeds, mu)
         same_model = all(o == offsets[0] for o in offsets)
         if same_model and self.schedule.stack is None:
             self.schedule.stack = False  # unless the check below passes
@@ -460,6 +467,22 @@ class BatchedClients:
         if same_model and self.schedule.stack:
             return self._stacked(offsets[0], seeds, mu)
         return self._one_at_a_time(offsets, seeds, mu)
+
+    def _direction_batches(self, offsets: list, seeds: list[list[int]], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Direction ``r`` of client ``i`` on examples ``[r n_B, (r+1) n_B)`` of its batch (FedES's one loss
+        difference per batch): the same rows cut into ``m nu`` batches of ``n_B`` are ``m nu`` clients of one
+        direction each, evaluated by the same schedule; their losses reshaped to ``m x nu``."""
+        nu = len(seeds[0])
+        if nu * self.direction_batch != self.batch:
+            raise ValueError(f"{nu} directions of zo_direction_batch_size={self.direction_batch} examples need a "
+                             f"batch of {nu * self.direction_batch} per client; it has {self.batch}.")
+        if self._per_direction is None:
+            self._per_direction = BatchedClients(
+                self.model, self.table, self.inputs, self.m * nu, self.direction_batch, self.forward, self.schedule,
+                self.chunk, self.context, self.cache)
+        plus, minus = self._per_direction.loss_pairs([o for o in offsets for _ in range(nu)],
+                                                     [[seed] for row in seeds for seed in row], mu)
+        return plus.view(self.m, nu), minus.view(self.m, nu)
 
     def _one_at_a_time(self, offsets, seeds, mu):
         pairs = [self.loss_pair(offsets, [s[r] for s in seeds], mu) for r in range(len(seeds[0]))]

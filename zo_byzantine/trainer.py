@@ -187,6 +187,7 @@ class ZOByzantineTrainer(Trainer):
         return BatchedClients(
             model, self.table, inputs, num_clients, self.args.per_device_train_batch_size, self.per_example_losses,
             self.schedule, self.args.zo_forward_batch_size, self.compute_loss_context_manager, cache,
+            self.args.zo_direction_batch_size,
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:

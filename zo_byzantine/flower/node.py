@@ -100,7 +100,8 @@ def answer(content, state: RecordDict, deployment: Deployment, task: Task, node:
     cache = {} if schedule.resolve(replica.table, plan.num_directions(1)) == "cached" else None
     task.model.eval()
     clients = BatchedClients(task.model, replica.table, inputs, 1, args.per_device_train_batch_size,
-                             PerExampleForward(), schedule, args.zo_forward_batch_size, contextlib.nullcontext, cache)
+                             PerExampleForward(), schedule, args.zo_forward_batch_size, contextlib.nullcontext, cache,
+                             args.zo_direction_batch_size)
     with torch.no_grad():
         (report,) = client_reports(plan, clients, replica.table, [node.client], [size])
     report.scalars = local_attack(node, report.scalars, args.zo_seed, t)
