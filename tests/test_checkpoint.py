@@ -46,6 +46,21 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
     assert resumed_loss == straight_loss  # train_loss over all 8 rounds, as uninterrupted
 
 
+def test_a_finished_run_is_not_trained_further_on_resume(tmp_path):
+    """A checkpoint at max_steps: the Trainer's loop would run one more round (each re-run of a finished job adding
+    one); it is refused before any work, by path and by resume_from_checkpoint=True alike."""
+    settings = {**SETTINGS, "max_steps": 4, "save_strategy": "steps", "save_steps": 4}
+    make_trainer(_model(), VectorDataset(128), tmp_path, **settings).train()
+    for resume in (str(tmp_path / "checkpoint-4"), True):
+        trainer = make_trainer(_model(), VectorDataset(128), tmp_path, **settings)
+        with pytest.raises(ValueError, match="checkpoint is at round 4, max_steps=4; nothing is left to train"):
+            trainer.train(resume_from_checkpoint=resume)
+        assert trainer.state.global_step == 0
+    more = make_trainer(_model(), VectorDataset(128), tmp_path, **{**settings, "max_steps": 5})
+    more.train(resume_from_checkpoint=True)
+    assert more.state.global_step == 5 and [r["round"] for r in more.ledger.rounds] == list(range(5))
+
+
 def test_ledger_replay_reproduces_final_weights_bitwise(tmp_path):
     model = _model()
     start = copy.deepcopy(model)

@@ -10,6 +10,7 @@ Hugging Face glue only: it drives the protocol's two roles in one process (SPEC 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .aggregators import build_aggregator
@@ -354,9 +356,28 @@ class ZOByzantineTrainer(Trainer):
     def mean_loss(totals: dict) -> float:
         return totals["loss_sum"] / totals["loss_count"] if totals["loss_count"] else math.nan
 
-    def train(self, *args, **kwargs):
+    def _refuse_finished_checkpoint(self, resume_from_checkpoint) -> None:
+        """A checkpoint already at ``max_steps`` leaves nothing to train, but the Trainer's loop would still run one
+        more round before it checks (a re-run of a finished job would add a round each time): refused instead."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True and os.path.isdir(self.args.output_dir):  # the Trainer's "the last one"
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if not isinstance(checkpoint, str) or self.args.max_steps <= 0:
+            return
+        try:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                step = json.load(f)["global_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # the Trainer's own loading reports what is wrong with it
+        if isinstance(step, int) and step >= self.args.max_steps:
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the checkpoint is at round {step}, "
+                             f"max_steps={self.args.max_steps}; nothing is left to train (accepted: a checkpoint "
+                             f"before round max_steps, or a larger max_steps to continue the run).")
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._refuse_finished_checkpoint(resume_from_checkpoint)
         self._run_loss = {"loss_sum": 0.0, "loss_count": 0}
-        output = super().train(*args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best and os.path.isfile(os.path.join(best, LEDGER_NAME)):
             self.ledger.continue_from(Ledger.read(best))  # the loaded weights' ledger, not the last round's
