@@ -162,14 +162,19 @@ def run(args, previous: dict | None) -> dict:
                                  callbacks=[progress, diverged := StopWhenDiverged()])
     start = trainer.evaluate()["eval_accuracy"]  # the seeded initial model (train() starts a history without it)
     resume = last_checkpoint(folder)
-    trainer.train(resume_from_checkpoint=resume)
-    history = trainer.state.log_history  # restored with a checkpoint: the whole run's
+    began = int(resume.rsplit("-", 1)[1]) if resume else 0
+    if began >= args.rounds:  # a leg that saved its last checkpoint but not its JSON: nothing left to train
+        with open(os.path.join(resume, "trainer_state.json")) as f:
+            history, rounds = json.load(f)["log_history"], began
+    else:
+        trainer.train(resume_from_checkpoint=resume)
+        history, rounds = trainer.state.log_history, trainer.state.global_step  # restored: the whole run's
     curve = [(0, start)] + [(e["step"], e["eval_accuracy"]) for e in history if "eval_accuracy" in e]
-    rounds, began = trainer.state.global_step, int(resume.rsplit("-", 1)[1]) if resume else 0
     device = next(trainer.model.parameters()).device
     device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     legs = [leg for leg in (previous or {}).get("legs", []) if leg["to"] <= began] if resume else []
-    legs.append({"device": device, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
+    if rounds > began:
+        legs.append({"device": device, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
     result = {
         "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "inputs": args.inputs,
         "batches": args.batches if args.method == "fedes" else None,

@@ -7,7 +7,7 @@
 Per trainable tensor a FedES round draws each client's nu directions for its stacked forward, then the update's
 sum over all m nu directions. "One at a time" is the code before :meth:`Directions.stacked_draws`: ``draw`` per
 seed, a sum's directions one by one, chunks of 2^19 pairs; "together": :func:`counter_streams` over all seeds of a
-tensor in chunks of 2^22 pairs (``GPU_CHUNK_PAIRS``). Operations are counted on the ``meta`` device (the same
+tensor in chunks of 2^21 pairs (``GPU_CHUNK_PAIRS``). Operations are counted on the ``meta`` device (the same
 calls, no arithmetic). On a lent H100 the draws were launch-bound: about 1.3 ms per ``draw``, 2,880 draws and ~3.9 s
 per round at n_B = 256 (benchmarks/README.md). ``--cpu_clients N`` also times the plain path on this CPU for N
 clients, both ways interleaved (not the CPU's own path, which is the compiled kernel).

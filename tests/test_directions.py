@@ -129,6 +129,11 @@ def test_directions_drawn_together_are_each_direction_bitwise(distribution, monk
     cache = {(seeds[1], 2): reference[1]}
     together = gen.stacked_draws(param.double(), 2, seeds, cache)
     assert together.dtype == torch.float64 and set(cache) == {(seed, 2) for seed in seeds}
+    # kept directions own their memory (a cache pruned seed by seed frees it); a fresh block is not kept
+    assert len({z.untyped_storage().data_ptr() for z in cache.values()}) == len(seeds)
+    fresh = {}
+    twice = gen.stacked_draws(param, 2, [seeds[2], seeds[0], seeds[2]], fresh)
+    assert fresh == {} and torch.equal(_bits(twice), _bits(reference[[2, 0, 2]]))
     for other in (kernel, gen.draw_many(param, seeds, 2), together.float()):
         assert torch.equal(_bits(other), _bits(reference))
     assert torch.equal(_bits(gen.perturb(param, 2, terms)), _bits(fused))

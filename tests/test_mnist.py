@@ -147,6 +147,15 @@ def test_fedes_smoke_resumes_on_the_same_trajectory(tmp_path):
     assert again == resumed
 
 
+def test_fedes_writes_the_result_of_a_leg_stopped_before_its_json(tmp_path):
+    """A checkpoint at --rounds and no JSON (the process stopped in between): the JSON is written from the
+    checkpoint, no round is trained (the trainer refuses a finished checkpoint)."""
+    first = _fedes(tmp_path, "--rounds", "2")
+    next(p for p in tmp_path.iterdir() if p.suffix == ".json").unlink()
+    again = _fedes(tmp_path, "--rounds", "2")
+    assert again["rounds"] == 2 and again["curve"] == first["curve"] and again["loss"] == first["loss"]
+
+
 def test_fedgd_smoke_is_first_order_full_batch(tmp_path):
     result = _fedes(tmp_path, "--method", "fedgd", "--split", "shards")
     assert result["estimator"] == "first_order" and result["directions_per_client"] is None and result["rounds"] == 4

@@ -126,7 +126,7 @@ def _rademacher_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 CHUNK_PAIRS = 1 << 19  # the plain path works in chunks: its ~40 temporaries stay ~100 MB, whatever the tensor
-GPU_CHUNK_PAIRS = 1 << 22  # on an accelerator each of the ~60 operations is a kernel launch: larger chunks
+GPU_CHUNK_PAIRS = 1 << 21  # on an accelerator each of the ~60 operations is a kernel launch: larger chunks (~0.4 GB)
 BLOCK_VALUES = 1 << 26  # a sum's directions drawn together, at most this many values (256 MB) at a time
 
 
@@ -143,10 +143,13 @@ def counter_streams(keys: list[int], numel: int, distribution: str, device="cpu"
     alone), so that many small tensors' directions cost one chunk's kernel launches, not one per key. ``out``: a
     contiguous float32 ``[len(keys), numel]`` tensor to write into."""
     pairs, count = (numel + 1) // 2, len(keys)
-    if out is None:
-        out = torch.empty(count, numel, dtype=torch.float32, device=device)
-    device = out.device
-    work = out.view(-1) if numel % 2 == 0 else torch.empty(count * 2 * pairs, dtype=torch.float32, device=device)
+    device = torch.device(device) if out is None else out.device
+    if out is None and count == 1 and numel % 2:  # one key: its extra element left at the end of the buffer
+        work = torch.empty(2 * pairs, dtype=torch.float32, device=device)
+        out = work[:numel].view(1, numel)
+    else:
+        out = torch.empty(count, numel, dtype=torch.float32, device=device) if out is None else out
+        work = out.view(-1) if numel % 2 == 0 else torch.empty(count * 2 * pairs, dtype=torch.float32, device=device)
     transform = _gaussian_pair if distribution == "gaussian" else _rademacher_pair
     key_of = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=device)
     chunk = CHUNK_PAIRS if device.type == "cpu" else GPU_CHUNK_PAIRS
@@ -158,7 +161,7 @@ def counter_streams(keys: list[int], numel: int, distribution: str, device="cpu"
             row = flat // pairs
             za, zb = transform(mix(key_of[row], flat - row * pairs))
         work[2 * start : 2 * start + 2 * len(flat)] = torch.stack([za, zb], dim=1).reshape(-1)
-    if numel % 2:
+    if numel % 2 and work.data_ptr() != out.data_ptr():
         out.copy_(work.view(count, 2 * pairs)[:, :numel])
     return out
 
@@ -209,27 +212,35 @@ class Directions:
 
     def draw_many(self, like: torch.Tensor, seeds: list[int], index: int) -> torch.Tensor:
         """``[len(seeds), *like.shape]``: :meth:`draw` of each seed (a generator may draw them together)."""
+        if not seeds:
+            return torch.empty((0, *like.shape), dtype=like.dtype, device=like.device)
         return torch.stack([self.draw(like, seed, index) for seed in seeds])
 
     def stacked_draws(self, like: torch.Tensor, index: int, seeds: list[int], cache: dict | None = None
                       ) -> torch.Tensor:
         """``[len(seeds), *like.shape]`` in ``like``'s dtype: ``total(like, index, [(s, 1.0)], cache)`` of each seed
-        (the same values: ``z * 1`` is exact), the seeds ``cache`` lacks drawn together."""
-        if not seeds:
-            return like.new_empty((0, *like.shape))
+        (the same values: ``z * 1`` is exact). When ``cache`` holds none of them they are drawn together and not
+        kept (kept rows of one block would keep the whole block alive); else as :meth:`_drawn`."""
+        if cache is None or not any((seed, index) in cache for seed in seeds):
+            unique = list(dict.fromkeys(seeds))
+            block = self.draw_many(like, unique, index)
+            if len(unique) < len(seeds):
+                block = block[[unique.index(seed) for seed in seeds]]
+            return block.to(like.dtype)
         drawn = self._drawn(like, index, seeds, cache)
         return torch.stack([drawn[seed] for seed in seeds]).to(like.dtype)
 
     def _drawn(self, like: torch.Tensor, index: int, seeds: list[int], cache: dict | None) -> dict:
-        """``{seed: z_index}``: what ``cache`` keeps, the others drawn together by :meth:`draw_many` (and kept in
-        ``cache`` when given)."""
+        """``{seed: z_index}``: what ``cache`` keeps, the others drawn together by :meth:`draw_many` and kept in
+        ``cache`` when given, each in memory of its own (a cache pruned seed by seed then frees it)."""
         held = {} if cache is None else {s: cache[(s, index)] for s in seeds if (s, index) in cache}
         missing = [s for s in dict.fromkeys(seeds) if s not in held]
         if missing:
-            for seed, z in zip(missing, self.draw_many(like, missing, index), strict=True):
-                held[seed] = z
+            block = self.draw_many(like, missing, index)
+            for seed, z in zip(missing, block, strict=True):
+                held[seed] = z if cache is None or len(missing) == 1 else z.clone()
                 if cache is not None:
-                    cache[(seed, index)] = z
+                    cache[(seed, index)] = held[seed]
         return held
 
     def total(self, like: torch.Tensor, index: int, terms: Terms, cache: dict | None = None,
