@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_runs.sh SET WALL_MINUTES        (writes into $OUT)
 # SET encoder: issue 18 item 2 (MiniLM's encoder trained by the protocol) and issue 20 item 2 (FedES and FedGD),
 #   as run on 2026-11-27 (second run); fedes: issue 20 item 2 (FedES, per-client directions stacked), as run on
-#   2026-11-27 (third run), after the CUDA-only tests.
+#   2026-11-27 (third run), after the CUDA-only tests; draws: the CUDA-only tests and `launches.py` timed on the GPU
+#   (a FedES round's draws one at a time against together; not yet run).
 # It reads a folder .gpu/ (git-ignored) prepared on a machine with the package registry: .gpu/whl (wheels of
 # datasets, evaluate, dill, multiprocess for the GPU machine's Python), .gpu/data/{sst2,trec} and .gpu/mnist
 # (copies of ../shared/data's files), for encoder .gpu/minilm (all-MiniLM-L6-v2 with its weights stored as float16,
@@ -13,9 +14,9 @@
 # tmp/<run>/checkpoint-N, resumed; each run's checkpoints come back as $OUT/<run>.tar.gz). LOCAL=1 runs the same
 # processes on this machine's CPU without the set-up (a dry run).
 set -u
-SET=${1:?SET: encoder or fedes}
+SET=${1:?SET: encoder, fedes or draws}
 WALL=${2:-7}
-case "$SET" in encoder|fedes) ;; *) echo "SET=$SET; accepted: encoder, fedes" >&2; exit 2;; esac
+case "$SET" in encoder|fedes|draws) ;; *) echo "SET=$SET; accepted: encoder, fedes, draws" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 if [ -z "${LOCAL:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
@@ -40,6 +41,11 @@ fed() {  # name method n_B [more fedes.py arguments]; runs in $RUNS/fedes (one J
   timeout "$LIMIT" python3 benchmarks/fedes.py --method "$method" --n_B "$nb" --wall_minutes "$WALL" --data .gpu/mnist \
     --runs_dir "$RUNS/fedes" "$@" > "$RUNS/fed_$name.log" 2>&1 &
 }
+if [ "$SET" = draws ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_directions.py tests/test_update_path.py
+  for nu in 24 94; do timeout 120 python3 benchmarks/launches.py --nu "$nu" --time_clients 10 --device cuda; done
+  exit 0
+fi
 if [ "$SET" = encoder ]; then
   enc trec_none trec none 5e-5
   enc trec_alie trec alie 5e-5

@@ -9,8 +9,8 @@ sum over all m nu directions. "One at a time" is the code before :meth:`Directio
 seed, a sum's directions one by one, chunks of 2^19 pairs; "together": :func:`counter_streams` over all seeds of a
 tensor in chunks of 2^21 pairs (``GPU_CHUNK_PAIRS``). Operations are counted on the ``meta`` device (the same
 calls, no arithmetic). On a lent H100 the draws were launch-bound: about 1.3 ms per ``draw``, 2,880 draws and ~3.9 s
-per round at n_B = 256 (benchmarks/README.md). ``--cpu_clients N`` also times the plain path on this CPU for N
-clients, both ways interleaved (not the CPU's own path, which is the compiled kernel).
+per round at n_B = 256 (benchmarks/README.md). ``--time_clients N`` also times the draws of N clients both ways,
+interleaved, on ``--device`` (``cuda`` on a GPU; on ``cpu`` the plain path, not the CPU's own compiled kernel).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from _common import interleaved, machine
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zo_byzantine import directions
+from zo_byzantine import directions, native
 from zo_byzantine.directions import CounterDirections, direction_seed
 
 SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
@@ -51,6 +51,17 @@ def one_at_a_time():
         directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = saved
 
 
+@contextlib.contextmanager
+def native_off():
+    """The plain-torch path on the CPU too (the compiled kernel is the CPU's own path, not the one measured)."""
+    saved = native.library
+    native.library = lambda: None
+    try:
+        yield
+    finally:
+        native.library = saved
+
+
 def draws_of_a_round(likes: list[torch.Tensor], clients: int, nu: int, together: bool) -> None:
     gen = CounterDirections()
     for j, like in enumerate(likes):
@@ -74,28 +85,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--nu", type=int, default=24, help="directions per client (ceil(6000 / n_B))")
-    parser.add_argument("--cpu_clients", type=int, default=0, help="also time the plain path for this many clients")
+    parser.add_argument("--time_clients", type=int, default=0, help="also time the draws of this many clients")
+    parser.add_argument("--device", default="cpu", help="where --time_clients times them (cpu: the plain path)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     before, after = (operations(args.clients, args.nu, together) for together in (False, True))
     print(f"FedES round, {args.clients} clients x {args.nu} directions, MLP 784-1024-1024-10 (plain-torch path):")
     print(f"  operations, one at a time: {before:,}")
     print(f"  operations, drawn together: {after:,}   ratio {before / after:.1f}x fewer")
-    if args.cpu_clients:
-        likes = [torch.empty(shape) for shape in SHAPES]
+    if args.time_clients:
+        device = torch.device(args.device)
+        likes = [torch.empty(shape, device=device) for shape in SHAPES]
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
         def timed(together):
             def run():
-                with contextlib.nullcontext() if together else one_at_a_time():
-                    draws_of_a_round(likes, args.cpu_clients, args.nu, together)
+                with contextlib.nullcontext() if together else one_at_a_time(), native_off():
+                    draws_of_a_round(likes, args.time_clients, args.nu, together)
+                synchronize()
             return run
 
         with torch.no_grad():
             times = interleaved({"one at a time": timed(False), "together": timed(True)}, args.repeats,
                                 reference="one at a time")
-        print(f"  CPU plain path, {args.cpu_clients} clients ({machine()}): one at a time "
-              f"{times['one at a time'][0]:.2f} s, together {times['together'][0]:.2f} s "
-              f"(median ratio together / one at a time {times['together'][1]:.2f})")
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU plain path, {machine()}"
+        print(f"  {args.time_clients} clients on {where}: one at a time {times['one at a time'][0]:.3f} s, "
+              f"together {times['together'][0]:.3f} s (median ratio together / one at a time "
+              f"{times['together'][1]:.2f})")
 
 
 if __name__ == "__main__":
