@@ -270,15 +270,9 @@ class Directions:
             return source[rows]
         if cache is None:
             return self.perturb(source, index, terms)[rows]
-        gathered = {(seed, index): self._cached(source, seed, index, cache)[rows] for seed, _ in terms}
+        drawn = self._drawn(source, index, [seed for seed, _ in terms], cache)
+        gathered = {(seed, index): z[rows] for seed, z in drawn.items()}
         return self.perturb(source[rows], index, terms, gathered)
-
-    def _cached(self, like, seed, index, cache):
-        if cache is None:
-            return self.draw(like, seed, index)
-        if (seed, index) not in cache:
-            cache[(seed, index)] = self.draw(like, seed, index)
-        return cache[(seed, index)]
 
 
 class TorchDirections(Directions):
@@ -297,7 +291,7 @@ class TorchDirections(Directions):
     def total(self, like, index, terms, cache=None, out=None):
         result = None
         for seed, coeff in terms:
-            z = self._cached(like, seed, index, cache)
+            z = self._drawn(like, index, [seed], cache)[seed]
             if result is None and out is not None:
                 result = torch.mul(z, coeff, out=out)
                 continue
