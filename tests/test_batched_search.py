@@ -57,3 +57,55 @@ def test_search_picks_the_loops_omega(rule, steps, name):
         out = attack(honest, own, chain, ctx)
         assert out.diagnostics["omega"] == loop_search(attack, honest, own, chain, ctx)
         assert math.isfinite(out.diagnostics["omega"])
+
+
+def _explicit(rule, honest, candidates, k, ctx):
+    """The reference: each candidate's whole set (honest, then k copies), one at a time through the rule."""
+    sets = [torch.cat([honest, c.expand(k, -1)]) for c in candidates]
+    return torch.stack([rule(v, ctx).value for v in sets])
+
+
+@pytest.mark.parametrize("rule, steps, kwargs", [("cwtm", [], {}), ("cwtm", [], {"beta": 0.3}), ("median", [], {}),
+                                                  ("cwtm", ["nnm"], {}), ("median", ["nnm"], {}), ("krum", ["nnm"], {}),
+                                                  ("cwtm", ["nnm", "clip:c=2.0"], {}), ("mean", ["bucketing"], {})])
+@pytest.mark.parametrize("h, k, f", [(9, 3, 3), (30, 10, 10), (10, 10, 4), (2, 9, 5), (7, 1, 0), (8, 2, 2)])
+def test_closed_form_for_copies_equals_the_sets(rule, steps, kwargs, h, k, f):
+    """A pipeline's value on honest + k copies of each candidate, from one sort of the honest values (CWTM and the
+    median alone) or from the sets (with steps), equals the pipeline on each explicit set: continuous values,
+    integers with ties (copies equal to honest values) and candidates below, inside and above the honest range;
+    more copies than honest vectors."""
+    chain = build_aggregator(rule, steps, **kwargs)
+    if rule == "krum" and (2 * f + 2 >= h + k or k >= h):
+        pytest.skip("krum needs m > 2f + 2; with k >= h NNM leaves every score equal up to rounding")
+    ctx = RoundContext((0, 1, 1), h + k, f)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        honest = torch.randn(h, 11, generator=g, dtype=torch.float64)
+        if seed == 1:
+            honest = honest.mul(2).round()
+        candidates = torch.cat([torch.linspace(-4, 4, 17, dtype=torch.float64)[:, None].expand(-1, 11),
+                                torch.randn(5, 11, generator=g, dtype=torch.float64) * 3]).round(decimals=seed)
+        got = chain.aggregate_repeated(honest, candidates, k, ctx)
+        torch.testing.assert_close(got, _explicit(chain, honest, candidates, k, ctx), rtol=1e-12, atol=1e-12)
+        assert got.dtype == candidates.dtype
+
+
+@pytest.mark.parametrize("rule", ["cwtm", "median"])
+def test_closed_form_falls_back_on_non_finite_values(rule):
+    chain = build_aggregator(rule)
+    ctx = RoundContext((0, 1, 1), 8, 2)
+    honest = torch.randn(6, 5, dtype=torch.float64)
+    candidates = torch.randn(4, 5, dtype=torch.float64)
+    candidates[1, 2], honest[3, 0] = math.inf, -math.inf
+    torch.testing.assert_close(chain.aggregate_repeated(honest, candidates, 2, ctx),
+                               _explicit(chain, honest, candidates, 2, ctx), equal_nan=True)
+
+
+def test_closed_form_float32_matches_the_sort_within_rounding():
+    chain = build_aggregator("cwtm")
+    ctx = RoundContext((0, 1, 1), 40, 10)
+    g = torch.Generator().manual_seed(5)
+    honest = torch.randn(30, 7850, generator=g)
+    candidates = honest.mean(0) + torch.linspace(0, 10, 21)[:, None] * honest.std(0)
+    got = chain.aggregate_repeated(honest, candidates, 10, ctx)
+    torch.testing.assert_close(got, _explicit(chain, honest, candidates, 10, ctx), rtol=1e-5, atol=1e-6)

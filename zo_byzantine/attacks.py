@@ -53,20 +53,10 @@ class NoAttack(Attack):
 
 def aggregate_candidates(rule, honest: torch.Tensor, candidates: torch.Tensor, k: int, ctx: RoundContext):
     """``rule``'s output for each candidate ``c`` (``C x d``) when all ``k`` Byzantine clients send ``c`` beside
-    the honest vectors (``C x d``): what an omniscient attacker's search evaluates.
-
-    The sets are ordered honest first (the context's Byzantine mask does not describe them, so it is dropped) and
-    evaluated together by ``rule.aggregate_many`` in groups of at most 4 MB: many small sets (R^nu) at once,
-    large ones (R^d) one by one, where batching only adds memory traffic (measured)."""
-    search = RoundContext(ctx.key, len(honest) + k, ctx.num_byzantine)
-    per_set = (len(honest) + k) * honest.shape[1] * honest.element_size()
-    group = max(1, (4 << 20) // max(1, per_set))
-    outputs = []
-    for start in range(0, len(candidates), group):
-        sent = candidates[start : start + group, None, :].expand(-1, k, -1)
-        sets = torch.cat([honest.expand(len(sent), -1, -1), sent], dim=1)
-        outputs.append(rule.aggregate_many(sets, search))
-    return torch.cat(outputs)
+    the honest vectors (``C x d``): what an omniscient attacker's search evaluates
+    (``rule.aggregate_repeated``). The sets are ordered honest first (the context's Byzantine mask does not
+    describe them, so it is dropped)."""
+    return rule.aggregate_repeated(honest, candidates, k, RoundContext(ctx.key, len(honest) + k, ctx.num_byzantine))
 
 
 class OmegaAttack(Attack):
