@@ -81,6 +81,16 @@ def cells(only: str | None = None):
     return [c for c in out if only is None or c[0].startswith(only)]
 
 
+def expected_cost(name: str) -> int:
+    """A rough rank of a cell's run time, to start the longest runs first (two workers then finish together):
+    the omega searches through NNM in R^d (FedZO, FedAvg; the sets themselves) > other R^d runs > FedByZO (R^nu)."""
+    algorithm, rule, column = name.split()[0], name.split()[1], name.split()[-1]
+    cost = {"FedZO": 3, "FedByZO": 2, "FedAvg": 1}[algorithm]
+    if column.endswith("-NNM") and algorithm != "FedByZO":
+        cost += 10 if rule == "CWTM" else 5
+    return cost
+
+
 def file_stem(name: str) -> str:
     """A cell name as a file name: characters other than letters, digits, ``-``, ``.``, ``=`` become ``_``."""
     return "".join(c if c.isalnum() or c in "-.=" else "_" for c in name)
@@ -226,7 +236,7 @@ def main():
     if not args.report:
         work = [
             (name, argv, seed, args.rounds, args.runs_dir, args.data_dir, args.eval_steps)
-            for name, argv in jobs
+            for name, argv in sorted(jobs, key=lambda job: -expected_cost(job[0]))  # longest first
             for seed in args.seeds
         ]
         run_jobs(run_one, [(job,) for job in work], args.workers)

@@ -11,6 +11,7 @@ images every ``--eval_steps`` rounds, and the maximum over the run, as the paper
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
@@ -29,8 +30,10 @@ from zo_byzantine.metrics import compute_metrics_fn
 MEAN, STD = 0.1307, 0.3081
 
 
+@functools.lru_cache(maxsize=4)
 def read_idx(path: str) -> np.ndarray:
-    """An IDX file (gzip-compressed or not): magic 2051 images (n, 28, 28) or 2049 labels (n,)."""
+    """An IDX file (gzip-compressed or not): magic 2051 images (n, 28, 28) or 2049 labels (n,), read-only. Kept
+    for the process: a grid calls ``main`` hundreds of times (decompressing the four files took ~0.9 s a run)."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         magic, count = struct.unpack(">II", f.read(8))
         if magic == 2051:
