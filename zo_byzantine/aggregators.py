@@ -125,8 +125,8 @@ def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
     return _median_many(vectors[None])[0]
 
 
-def _repeated_window_means(honest: torch.Tensor, candidates: torch.Tensor, k: int, start: int, stop: int):
-    """Per coordinate and candidate ``c`` (``C x d``), the mean of sorted positions ``[start, stop)`` of the ``h``
+def _repeated_window_sums(honest: torch.Tensor, candidates: torch.Tensor, k: int, start: int, stop: int):
+    """Per coordinate and candidate ``c`` (``C x d``), the sum of sorted positions ``[start, stop)`` of the ``h``
     honest values (``h x d``) and ``k`` copies of ``c``: in the merged order positions ``p < r`` hold ``s_p``
     (``s`` the sorted honest values, ``r = #{s < c}``), ``[r, r + k)`` hold ``c``, later ones ``s_(p - k)``, so
 
@@ -134,7 +134,7 @@ def _repeated_window_means(honest: torch.Tensor, candidates: torch.Tensor, k: in
 
     with ``k'`` the copies inside the window and empty ranges counting 0 (each range summed apart, so candidates
     whose window holds the same honest values get the same bits). One sort of the honest values and a search per
-    candidate, instead of a sort of ``h + k`` values per candidate. Float64 sums; finite inputs."""
+    candidate, instead of a sort of ``h + k`` values per candidate. Float64 sums of finite inputs."""
     ordered = honest.double().T.contiguous().sort(dim=1).values  # [d, h]: coordinates as rows
     prefix = torch.cat([ordered.new_zeros(len(ordered), 1), ordered.cumsum(dim=1)], dim=1)
     values = candidates.double().T.contiguous()  # [d, C]
@@ -149,11 +149,13 @@ def _repeated_window_means(honest: torch.Tensor, candidates: torch.Tensor, k: in
     after_end = torch.maximum(after_start, torch.full_like(r, stop - k))
     copies = ((r + k).clamp(max=stop) - r.clamp(min=start)).clamp(min=0)
     sums = (at(before_end) - at(before_start)) + copies * values + (at(after_end) - at(after_start))
-    return (sums / (stop - start)).T.to(candidates.dtype).contiguous()
+    return sums.T.contiguous()
 
 
 def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Every value finite: a finite sum says so at the cost of a sum (inf, -inf and nan propagate); a sum that
+    overflowed is checked value by value."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class Rule:
@@ -288,13 +290,13 @@ class CWTM(Rule):
         return sets.sort(dim=1).values[:, k : m - k].mean(dim=1)
 
     def aggregate_repeated(self, honest, candidates, k, ctx):
-        """Closed form (:func:`_repeated_window_means`, positions ``[t, m - t)``) for finite inputs."""
+        """Closed form (:func:`_repeated_window_sums`, positions ``[t, m - t)``) for finite inputs."""
         m = len(honest) + k
         self.check(m, ctx.num_byzantine)
         if not _finite(honest, candidates):
             return super().aggregate_repeated(honest, candidates, k, ctx)
         t = self.trim(m, ctx.num_byzantine)
-        return _repeated_window_means(honest, candidates, k, t, m - t)
+        return (_repeated_window_sums(honest, candidates, k, t, m - t) / (m - 2 * t)).to(candidates.dtype)
 
 
 @register_aggregator("median")
@@ -324,12 +326,13 @@ class Median(Rule):
         return _median_many(sets)
 
     def aggregate_repeated(self, honest, candidates, k, ctx):
-        """Closed form (:func:`_repeated_window_means`, the middle positions) for finite inputs."""
+        """Closed form (:func:`_repeated_window_sums`, the middle positions) for finite inputs."""
         m = len(honest) + k
         self.check(m, ctx.num_byzantine)
         if not _finite(honest, candidates):
             return super().aggregate_repeated(honest, candidates, k, ctx)
-        return _repeated_window_means(honest, candidates, k, (m - 1) // 2, m // 2 + 1)
+        start, stop = (m - 1) // 2, m // 2 + 1
+        return (_repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)).to(candidates.dtype)
 
 
 def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Tensor:
@@ -383,6 +386,33 @@ class Krum(_KrumFamily):
     def aggregate(self, vectors, ctx):
         chosen = krum_scores(vectors, self.bound(ctx.num_byzantine), self.squared).argmin().reshape(1)
         return Aggregation(vectors[chosen[0]], self.selected(chosen, ctx))
+
+    def aggregate_repeated(self, honest, candidates, k, ctx):
+        """Closed form from the honest distances once and each candidate's to the honest vectors (``C x h``): an
+        honest score sums the ``n = m - f - 2`` smallest of its distances to the other honest vectors and ``k``
+        copies of its distance to ``c`` (:func:`_repeated_window_sums`); a copy's score sums ``k - 1`` zeros and
+        its smallest distances to the honest vectors. The first lowest score wins (honest rows come first), as
+        in :meth:`aggregate`. Finite, not huge inputs; else the sets."""
+        m, f, h = len(honest) + k, self.bound(ctx.num_byzantine), len(honest)
+        self.check(m, ctx.num_byzantine)
+        wide, points = honest.double(), candidates.double()
+        honest_norms, point_norms = wide.square().sum(dim=1), points.square().sum(dim=1)
+        if h < 2 or not (_finite(honest_norms, point_norms) and float(honest_norms.max()) <= HUGE_SQ_NORM
+                         and float(point_norms.max()) <= HUGE_SQ_NORM):
+            return super().aggregate_repeated(honest, candidates, k, ctx)
+        inner = _pairwise_sq_distances(honest)
+        to_point = (point_norms[:, None] + honest_norms[None, :] - 2 * points @ wide.T).clamp_min_(0).to(honest.dtype)
+        if not self.squared:
+            inner, to_point = inner.sqrt(), to_point.sqrt()
+        n = m - f - 2
+        others = inner.fill_diagonal_(math.inf).sort(dim=1).values[:, :-1]  # [h, h - 1]: each row's others
+        honest_scores = _repeated_window_sums(others.T, to_point, k, 0, n)
+        scores = torch.cat([honest_scores, points.new_zeros(len(points), 1)], dim=1)
+        from_copies = n - min(k - 1, n)  # honest distances a copy adds after the k - 1 zeros
+        if from_copies:
+            scores[:, h] = to_point.double().sort(dim=1).values[:, :from_copies].sum(dim=1)
+        chosen = scores.argmin(dim=1)
+        return torch.where((chosen < h)[:, None], honest[chosen.clamp(max=h - 1)], candidates)
 
 
 @register_aggregator("multikrum")
@@ -553,7 +583,7 @@ class NNM(PreAggregator):
         dist, norms = _gram_sq_distances(sets.double())
         safe = (norms <= HUGE_SQ_NORM).all(dim=1)
         mixed, _ = _mix_nearest(sets, dist.to(sets.dtype), m - ctx.num_byzantine)
-        redo = ~safe | ~torch.isfinite(mixed).flatten(1).all(dim=1)
+        redo = ~safe | ~torch.isfinite(mixed.sum(dim=(1, 2)))  # a finite sum: every value finite (else re-checked)
         for i in redo.nonzero().flatten().tolist():
             mixed[i] = self(sets[i], ctx)
         return mixed
