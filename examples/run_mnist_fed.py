@@ -30,10 +30,8 @@ from zo_byzantine.metrics import compute_metrics_fn
 MEAN, STD = 0.1307, 0.3081
 
 
-@functools.lru_cache(maxsize=4)
 def read_idx(path: str) -> np.ndarray:
-    """An IDX file (gzip-compressed or not): magic 2051 images (n, 28, 28) or 2049 labels (n,), read-only. Kept
-    for the process: a grid calls ``main`` hundreds of times (decompressing the four files took ~0.9 s a run)."""
+    """An IDX file (gzip-compressed or not): magic 2051 images (n, 28, 28) or 2049 labels (n,)."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         magic, count = struct.unpack(">II", f.read(8))
         if magic == 2051:
@@ -48,17 +46,22 @@ FILES = tuple(f"{prefix}-{kind}-idx{dim}-ubyte.gz" for prefix in ("train", "t10k
               for kind, dim in (("images", 3), ("labels", 1)))
 
 
+@functools.lru_cache(maxsize=4)
+def load_split(data_dir: str, split: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, labels)`` of a split, kept for the process (a grid calls ``main`` hundreds of times; reading and
+    converting the files took ~0.9 s a run). Shared by every dataset made from them: not to be changed in place."""
+    prefix = "train" if split == "train" else "t10k"
+    images = read_idx(os.path.join(data_dir, f"{prefix}-images-idx3-ubyte.gz"))
+    x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
+    labels = read_idx(os.path.join(data_dir, f"{prefix}-labels-idx1-ubyte.gz")).astype(np.int64)
+    return (x - MEAN) / STD if normalize else x, torch.from_numpy(labels)
+
+
 class MNIST(torch.utils.data.Dataset):
     """Flattened images, ``(x / 255 - 0.1307) / 0.3081`` when ``normalize`` else ``x / 255``."""
 
     def __init__(self, data_dir: str, split: str, normalize: bool = True):
-        prefix = "train" if split == "train" else "t10k"
-        images = read_idx(os.path.join(data_dir, f"{prefix}-images-idx3-ubyte.gz"))
-        x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
-        self.x = (x - MEAN) / STD if normalize else x
-        self.labels = torch.from_numpy(
-            read_idx(os.path.join(data_dir, f"{prefix}-labels-idx1-ubyte.gz")).astype(np.int64)
-        )
+        self.x, self.labels = load_split(data_dir, split, normalize)
 
     def __len__(self):
         return len(self.labels)
@@ -68,9 +71,10 @@ class MNIST(torch.utils.data.Dataset):
 
     def __getitems__(self, indices):
         """A whole batch (the ``DataLoader``'s batched fetch): one indexing per tensor, not one item per example
-        (2,560 items a round cost more than the round's forwards)."""
-        index = torch.as_tensor(indices, dtype=torch.long)
-        return {"x": self.x[index], "labels": self.labels[index]}
+        (2,560 items a round cost more than the round's forwards), and numpy's row gather (torch's advanced
+        indexing took several times longer for a round's rows on our CPU: ``benchmarks/README.md``)."""
+        index = np.asarray(indices, dtype=np.int64)
+        return {"x": torch.from_numpy(self.x.numpy()[index]), "labels": torch.from_numpy(self.labels.numpy()[index])}
 
 
 class LogisticRegression(nn.Module):

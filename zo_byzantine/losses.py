@@ -95,7 +95,9 @@ class PerExampleForward:
 
 
 def client_losses(sums: torch.Tensor, counts: torch.Tensor, client_of_example: torch.Tensor, num_clients: int):
-    """Each client's mean loss: ``sum of its sums / sum of its counts`` (float64)."""
-    total = torch.zeros(num_clients, dtype=torch.float64, device=sums.device).index_add_(0, client_of_example, sums)
-    count = torch.zeros(num_clients, dtype=torch.float64, device=sums.device).index_add_(0, client_of_example, counts)
+    """Each client's mean loss: ``sum of its sums / sum of its counts`` (float64); ``sums`` and ``counts`` per example
+    (``[rows]``) or per model and example (``[models, rows]``, one row of losses per model)."""
+    shape = (*sums.shape[:-1], num_clients)
+    total = torch.zeros(shape, dtype=torch.float64, device=sums.device).index_add_(-1, client_of_example, sums)
+    count = torch.zeros(shape, dtype=torch.float64, device=sums.device).index_add_(-1, client_of_example, counts)
     return total / count

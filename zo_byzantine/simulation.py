@@ -512,9 +512,7 @@ class BatchedClients:
             sums.append(torch.cat([s for s, _ in parts]))
             counts.append(torch.cat([c for _, c in parts]))
         sums, counts = torch.cat(sums, dim=1), torch.cat(counts, dim=1)
-        losses = torch.stack([client_losses(s, c, client_of_example, num_clients)
-                              for s, c in zip(sums, counts, strict=True)])
-        losses = losses.cpu()  # [2 nu, num_clients]
+        losses = client_losses(sums, counts, client_of_example, num_clients).cpu()  # [2 nu, num_clients]
         return losses[0::2].T, losses[1::2].T
 
     def _stacked_forward(self, inputs: dict, models: list[Terms], usage: dict | None = None):
