@@ -84,7 +84,8 @@ def cells(only: str | None = None):
 def expected_cost(name: str) -> int:
     """A rough rank of a cell's run time, to start the longest runs first (two workers then finish together):
     the omega searches through NNM in R^d (FedZO, FedAvg; the sets themselves) > other R^d runs > FedByZO (R^nu)."""
-    algorithm, rule, column = name.split()[0], name.split()[1], name.split()[-1]
+    words = name.split()
+    algorithm, rule, column = words[0], words[1], words[-1]
     cost = {"FedZO": 3, "FedByZO": 2, "FedAvg": 1}[algorithm]
     if column.endswith("-NNM") and algorithm != "FedByZO":
         cost += 10 if rule == "CWTM" else 5

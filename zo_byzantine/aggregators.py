@@ -152,6 +152,17 @@ def _repeated_window_sums(honest: torch.Tensor, candidates: torch.Tensor, k: int
     return sums.T.contiguous()
 
 
+def _repeated_window_mean(rule, honest, candidates, k: int, ctx: RoundContext, window) -> torch.Tensor:
+    """A coordinate-wise rule's value on ``honest`` plus ``k`` copies of each candidate: the mean of the sorted
+    positions ``window(m) = (start, stop)`` (:func:`_repeated_window_sums`); non-finite inputs take the sets' path."""
+    m = len(honest) + k
+    rule.check(m, ctx.num_byzantine)
+    if not _finite(honest, candidates):
+        return Rule.aggregate_repeated(rule, honest, candidates, k, ctx)
+    start, stop = window(m)
+    return (_repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)).to(candidates.dtype)
+
+
 def _finite(*tensors: torch.Tensor) -> bool:
     """Every value finite: a finite sum says so at the cost of a sum (inf, -inf and nan propagate); a sum that
     overflowed is checked value by value."""
@@ -290,13 +301,9 @@ class CWTM(Rule):
         return sets.sort(dim=1).values[:, k : m - k].mean(dim=1)
 
     def aggregate_repeated(self, honest, candidates, k, ctx):
-        """Closed form (:func:`_repeated_window_sums`, positions ``[t, m - t)``) for finite inputs."""
-        m = len(honest) + k
-        self.check(m, ctx.num_byzantine)
-        if not _finite(honest, candidates):
-            return super().aggregate_repeated(honest, candidates, k, ctx)
-        t = self.trim(m, ctx.num_byzantine)
-        return (_repeated_window_sums(honest, candidates, k, t, m - t) / (m - 2 * t)).to(candidates.dtype)
+        """Closed form: the mean of sorted positions ``[t, m - t)`` (:func:`_repeated_window_mean`)."""
+        return _repeated_window_mean(self, honest, candidates, k, ctx,
+                                     lambda m: (t := self.trim(m, ctx.num_byzantine), m - t))
 
 
 @register_aggregator("median")
@@ -326,13 +333,8 @@ class Median(Rule):
         return _median_many(sets)
 
     def aggregate_repeated(self, honest, candidates, k, ctx):
-        """Closed form (:func:`_repeated_window_sums`, the middle positions) for finite inputs."""
-        m = len(honest) + k
-        self.check(m, ctx.num_byzantine)
-        if not _finite(honest, candidates):
-            return super().aggregate_repeated(honest, candidates, k, ctx)
-        start, stop = (m - 1) // 2, m // 2 + 1
-        return (_repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)).to(candidates.dtype)
+        """Closed form: the mean of the middle sorted positions (:func:`_repeated_window_mean`)."""
+        return _repeated_window_mean(self, honest, candidates, k, ctx, lambda m: ((m - 1) // 2, m // 2 + 1))
 
 
 def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Tensor:
@@ -392,22 +394,19 @@ class Krum(_KrumFamily):
         honest score sums the ``n = m - f - 2`` smallest of its distances to the other honest vectors and ``k``
         copies of its distance to ``c`` (:func:`_repeated_window_sums`); a copy's score sums ``k - 1`` zeros and
         its smallest distances to the honest vectors. The first lowest score wins (honest rows come first), as
-        in :meth:`aggregate`. Finite, not huge inputs; else the sets."""
+        in :meth:`aggregate`. Finite inputs; else the sets."""
         m, f, h = len(honest) + k, self.bound(ctx.num_byzantine), len(honest)
         self.check(m, ctx.num_byzantine)
-        wide, points = honest.double(), candidates.double()
-        honest_norms, point_norms = wide.square().sum(dim=1), points.square().sum(dim=1)
-        if h < 2 or not (_finite(honest_norms, point_norms) and float(honest_norms.max()) <= HUGE_SQ_NORM
-                         and float(point_norms.max()) <= HUGE_SQ_NORM):
+        if h < 2 or not _finite(honest, candidates):
             return super().aggregate_repeated(honest, candidates, k, ctx)
-        inner = _pairwise_sq_distances(honest)
-        to_point = (point_norms[:, None] + honest_norms[None, :] - 2 * points @ wide.T).clamp_min_(0).to(honest.dtype)
+        dist = _pairwise_sq_distances(torch.cat([honest, candidates]))  # (h + C)^2: candidates' pairs unused
+        inner, to_point = dist[:h, :h], dist[h:, :h]
         if not self.squared:
             inner, to_point = inner.sqrt(), to_point.sqrt()
         n = m - f - 2
         others = inner.fill_diagonal_(math.inf).sort(dim=1).values[:, :-1]  # [h, h - 1]: each row's others
         honest_scores = _repeated_window_sums(others.T, to_point, k, 0, n)
-        scores = torch.cat([honest_scores, points.new_zeros(len(points), 1)], dim=1)
+        scores = torch.cat([honest_scores, honest_scores.new_zeros(len(candidates), 1)], dim=1)
         from_copies = n - min(k - 1, n)  # honest distances a copy adds after the k - 1 zeros
         if from_copies:
             scores[:, h] = to_point.double().sort(dim=1).values[:, :from_copies].sum(dim=1)
