@@ -24,6 +24,7 @@ import torch
 
 from . import seeds
 from .context import Aggregation, RoundContext, SizingError
+from .ordering import argsort_stable, sort_values
 from .registry import Registry
 from .validation import check_integer, check_real
 
@@ -53,7 +54,7 @@ def _gram_sq_distances(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _mix_nearest(vectors: torch.Tensor, dist: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """NNM's means as one product (``[..., m, d]``): row i of the weights holds 1/keep at the ``keep`` vectors
     nearest v_i by ``dist``, 0 elsewhere. Returns the mixed vectors and the neighbours' indices."""
-    nearest = dist.argsort(dim=-1, stable=True)[..., :keep]
+    nearest = argsort_stable(dist, -1)[..., :keep]
     weights = torch.zeros(*dist.shape, dtype=vectors.dtype, device=vectors.device)
     return weights.scatter_(-1, nearest, 1.0 / keep) @ vectors, nearest
 
@@ -116,7 +117,7 @@ def _rescaled_mean(rows: torch.Tensor) -> torch.Tensor:
 
 def _median_many(sets: torch.Tensor) -> torch.Tensor:
     """:func:`coordinate_median` of each set of ``C x m x d``."""
-    ordered, m = sets.sort(dim=1).values, sets.shape[1]
+    ordered, m = sort_values(sets, 1), sets.shape[1]
     return ordered[:, m // 2] if m % 2 else (ordered[:, m // 2 - 1] + ordered[:, m // 2]) / 2
 
 
@@ -135,7 +136,7 @@ def _repeated_window_sums(honest: torch.Tensor, candidates: torch.Tensor, k: int
     with ``k'`` the copies inside the window and empty ranges counting 0 (each range summed apart, so candidates
     whose window holds the same honest values get the same bits). One sort of the honest values and a search per
     candidate, instead of a sort of ``h + k`` values per candidate. Float64 sums of finite inputs."""
-    ordered = honest.double().T.contiguous().sort(dim=1).values  # [d, h]: coordinates as rows
+    ordered = sort_values(honest.double().T, 1)  # [d, h]: coordinates as rows
     prefix = torch.cat([ordered.new_zeros(len(ordered), 1), ordered.cumsum(dim=1)], dim=1)
     values = candidates.double().T.contiguous()  # [d, C]
     r = torch.searchsorted(ordered, values)
@@ -286,10 +287,13 @@ class CWTM(Rule):
 
     def aggregate(self, vectors, ctx):
         m, k = len(vectors), self.trim(len(vectors), ctx.num_byzantine)
-        ordered, order = vectors.sort(dim=0, stable=True)
         diagnostics = {}
         mask = ctx.byzantine_rows()
-        if mask is not None:
+        if mask is None:
+            ordered = sort_values(vectors, 0)
+        else:
+            order = argsort_stable(vectors, 0)
+            ordered = vectors.gather(0, order)
             kept = torch.zeros_like(vectors, dtype=torch.bool).scatter_(0, order[k : m - k], True)
             diagnostics["byzantine_values_kept"] = int(kept[mask.to(kept.device)].sum())
         return Aggregation(ordered[k : m - k].mean(dim=0), diagnostics)
@@ -298,7 +302,7 @@ class CWTM(Rule):
         m = sets.shape[1]
         self.check(m, ctx.num_byzantine)
         k = self.trim(m, ctx.num_byzantine)
-        return sets.sort(dim=1).values[:, k : m - k].mean(dim=1)
+        return sort_values(sets, 1)[:, k : m - k].mean(dim=1)
 
     def aggregate_repeated(self, honest, candidates, k, ctx):
         """Closed form: the mean of sorted positions ``[t, m - t)`` (:func:`_repeated_window_mean`)."""
@@ -343,7 +347,7 @@ def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Te
     if not squared:
         dist = dist.sqrt()
     dist.fill_diagonal_(float("inf"))
-    nearest = dist.sort(dim=1).values[:, : len(vectors) - f - 2]
+    nearest = sort_values(dist, 1)[:, : len(vectors) - f - 2]
     return nearest.sum(dim=1)
 
 
@@ -409,7 +413,7 @@ class Krum(_KrumFamily):
         scores = torch.cat([honest_scores, honest_scores.new_zeros(len(candidates), 1)], dim=1)
         from_copies = n - min(k - 1, n)  # honest distances a copy adds after the k - 1 zeros
         if from_copies:
-            scores[:, h] = to_point.double().sort(dim=1).values[:, :from_copies].sum(dim=1)
+            scores[:, h] = sort_values(to_point.double(), 1)[:, :from_copies].sum(dim=1)
         chosen = scores.argmin(dim=1)
         return torch.where((chosen < h)[:, None], honest[chosen.clamp(max=h - 1)], candidates)
 
@@ -496,7 +500,7 @@ class GeoMed(Rule):
     def aggregate(self, vectors, ctx):
         f, m = ctx.num_byzantine, len(vectors)
         # a robust start: the mean would follow a huge Byzantine vector (and the iterations from there)
-        z = vectors.mean(dim=0) if f == 0 else vectors.sort(dim=0).values[f : m - f].mean(dim=0)
+        z = vectors.mean(dim=0) if f == 0 else sort_values(vectors, 0)[f : m - f].mean(dim=0)
         for _ in range(self.max_iter):
             weights = self._weights(vectors, z)
             new = (weights[:, None] * vectors).sum(dim=0) / weights.sum()

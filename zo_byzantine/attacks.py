@@ -18,6 +18,7 @@ import torch
 
 from . import seeds
 from .context import AttackOutput, RoundContext
+from .ordering import sort_values
 from .registry import Registry
 from .validation import check_integer, check_real, is_number
 
@@ -153,7 +154,7 @@ class OrderStatisticAttack(Attack):
         values = torch.cat([honest, own]) if self.ranked == "all" else honest
         k = len(own) if self.beta is None else math.floor(self.beta * ctx.num_vectors + 1e-9)
         k = min(max(k, 1), len(values))
-        ordered = values.sort(dim=0).values
+        ordered = sort_values(values, 0)
         return ordered[k - 1], ordered[len(values) - k]  # k-th smallest, k-th largest
 
 
@@ -251,7 +252,7 @@ class FangKrum(Attack):
         dist = torch.cdist(honest[None].double(), honest[None].double())[0]
         dist.fill_diagonal_(math.inf)
         near = max(min(m - c - 2, h - 1), 0)
-        spread = dist.sort(dim=1).values[:, :near].sum(dim=1).min().item() if near else 0.0
+        spread = sort_values(dist, 1)[:, :near].sum(dim=1).min().item() if near else 0.0
         return spread / (max(m - 2 * c - 1, 1) * math.sqrt(d)) + honest.double().norm(dim=1).max().item() / math.sqrt(d)
 
     def __call__(self, honest, own, rule, ctx):
