@@ -110,3 +110,42 @@ def test_closed_form_float32_matches_the_sort_within_rounding():
     candidates = honest.mean(0) + torch.linspace(0, 10, 21)[:, None] * honest.std(0)
     got = chain.aggregate_repeated(honest, candidates, 10, ctx)
     torch.testing.assert_close(got, _explicit(chain, honest, candidates, 10, ctx), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("h, k, f", [(9, 3, 3), (30, 10, 10), (4, 6, 5), (7, 1, 0)])
+def test_nnm_form_for_copies_equals_nnm_on_each_set(dtype, h, k, f):
+    """NNM's linear form ``A_c @ honest + b_c c`` gives, for each candidate, NNM's rows of its explicit set: the
+    honest rows, then the row every copy becomes (ties in integer data broken as NNM breaks them)."""
+    from zo_byzantine.aggregators import NNM
+
+    nnm, ctx = NNM(), RoundContext((0, 1, 1), h + k, f)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        honest = torch.randn(h, 6, generator=g, dtype=torch.float64)
+        honest = (honest.mul(2).round() if seed == 1 else honest).to(dtype)
+        candidates = torch.cat([torch.linspace(-3, 3, 13, dtype=dtype)[:, None].expand(-1, 6), honest[:2]])
+        mixing, own = nnm.transform_repeated(honest, candidates, k, ctx)
+        assert mixing.shape == (len(candidates), h + 1, h) and own.shape == (len(candidates), h + 1)
+        got = mixing @ honest + own[..., None] * candidates[:, None, :]
+        for c, candidate in enumerate(candidates):
+            expected = nnm(torch.cat([honest, candidate.expand(k, -1)]), ctx)
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(got[c], expected[: h + 1], rtol=tol, atol=tol)
+            torch.testing.assert_close(got[c, h].expand(k, -1), expected[h:], rtol=tol, atol=tol)  # copies mix alike
+
+
+def test_nnm_form_falls_back_to_the_sets_on_huge_or_non_finite_values():
+    chain = build_aggregator("cwtm", ["nnm"])
+    ctx = RoundContext((0, 1, 1), 8, 2)
+    honest = torch.randn(6, 5, dtype=torch.float64)
+    candidates = torch.randn(4, 5, dtype=torch.float64)
+    candidates[1] = torch.finfo(torch.float64).max / 2  # two copies sum past the range in the mixing product
+    candidates[2, 0] = 1e200  # squared norm beyond float64
+    got = chain.aggregate_repeated(honest, candidates, 2, ctx)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _explicit(chain, honest, candidates, 2, ctx), rtol=1e-12, atol=0)
+    candidates[3, 4] = math.nan
+    assert chain.steps[0].transform_repeated(honest, candidates, 2, ctx) is None
+    torch.testing.assert_close(chain.aggregate_repeated(honest, candidates, 2, ctx),
+                               _explicit(chain, honest, candidates, 2, ctx), equal_nan=True)
