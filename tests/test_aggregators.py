@@ -221,3 +221,28 @@ def test_krum_returns_an_honest_vector_when_byzantine_ones_are_far(data):
     bad = torch.full((b, nu), 1e6, dtype=torch.float64) + torch.arange(b, dtype=torch.float64)[:, None]
     out = agg(Krum(), torch.cat([bad, honest]), b)
     assert any(torch.equal(out, h) for h in honest)
+
+
+@pytest.mark.parametrize("beta", [None, 0.0, 0.1, 0.45])
+def test_cwtm_byzantine_values_kept_equals_the_stable_sort_count(beta):
+    """The diagnostic's shortcut (values in ``[s_k, s_(m-k-1)]`` where no tie crosses a window end) counts what the
+    stable sort's window holds: continuous values, copies straddling a window end, integer ties, NaN and inf."""
+    g = torch.Generator().manual_seed(11)
+    m, f = 20, 5
+    for case in range(5):
+        v = torch.randn(m, 300, generator=g, dtype=torch.float64)
+        if case == 1:
+            v[-f:] = v[:3].mean(0) + 0.3  # identical copies, around the upper window end in many columns
+        if case == 2:
+            v = v.mul(1.5).round()  # many ties
+        if case == 3:
+            v[-2:, ::7], v[0, ::5], v[-1, ::3] = float("nan"), float("inf"), -float("inf")
+        if case == 4:
+            v = v.float()
+        mask = torch.zeros(m, dtype=torch.bool)
+        mask[torch.randperm(m, generator=g)[:f]] = True
+        rule = CWTM(beta)
+        k = rule.trim(m, f)
+        order = v.sort(dim=0, stable=True).indices
+        expected = int(torch.zeros_like(v, dtype=torch.bool).scatter_(0, order[k : m - k], True)[mask].sum())
+        assert rule(v, ctx(m, f, mask.tolist())).diagnostics == {"byzantine_values_kept": expected}

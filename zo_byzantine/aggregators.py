@@ -166,6 +166,27 @@ def _repeated_window_mean(rule, honest, candidates, k: int, ctx: RoundContext, w
     return (_repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)).to(candidates.dtype)
 
 
+def _kept_in_window(vectors: torch.Tensor, ordered: torch.Tensor, k: int, mask: torch.Tensor) -> int:
+    """How many values of the rows in ``mask`` a stable sort of each column of ``vectors`` puts at positions
+    ``[k, m - k)`` (``ordered``: the sorted columns). Where no value ties across a window end
+    (``s_(k-1) < s_k`` and ``s_(m-k-1) < s_(m-k)``) those are the values in ``[s_k, s_(m-k-1)]``, one comparison;
+    the other columns (ties, NaN; all when ``k = 0``) take the stable order itself, and all columns do when
+    most are tied (e.g. an attacker's identical copies across a window end: a subset would only add a copy)."""
+    m, mask = len(vectors), mask.to(vectors.device)
+    clean = torch.zeros(vectors.shape[1:], dtype=torch.bool, device=vectors.device)
+    if 0 < k < m - k:
+        clean = (ordered[k - 1] < ordered[k]) & (ordered[m - k - 1] < ordered[m - k])
+    if 2 * int(clean.sum()) < clean.numel():
+        clean.fill_(False)
+    own = vectors[mask]
+    kept = int(((own >= ordered[k]) & (own <= ordered[m - k - 1]) & clean).sum()) if k < m - k else 0
+    if not bool(clean.all()):
+        tied = vectors[:, ~clean] if bool(clean.any()) else vectors
+        window = torch.zeros_like(tied, dtype=torch.bool).scatter_(0, argsort_stable(tied, 0)[k : m - k], True)
+        kept += int(window[mask].sum())
+    return kept
+
+
 def _candidate_groups(count: int, per_set: int, budget: int = 4 << 20):
     """Slices of ``count`` candidates, each at most ``budget`` bytes of sets of ``per_set`` bytes (at least one)."""
     group = max(1, budget // max(1, per_set))
@@ -302,15 +323,8 @@ class CWTM(Rule):
 
     def aggregate(self, vectors, ctx):
         m, k = len(vectors), self.trim(len(vectors), ctx.num_byzantine)
-        diagnostics = {}
-        mask = ctx.byzantine_rows()
-        if mask is None:
-            ordered = sort_values(vectors, 0)
-        else:
-            order = argsort_stable(vectors, 0)
-            ordered = vectors.gather(0, order)
-            kept = torch.zeros_like(vectors, dtype=torch.bool).scatter_(0, order[k : m - k], True)
-            diagnostics["byzantine_values_kept"] = int(kept[mask.to(kept.device)].sum())
+        ordered, mask = sort_values(vectors, 0), ctx.byzantine_rows()
+        diagnostics = {} if mask is None else {"byzantine_values_kept": _kept_in_window(vectors, ordered, k, mask)}
         return Aggregation(ordered[k : m - k].mean(dim=0), diagnostics)
 
     def aggregate_many(self, sets, ctx):
