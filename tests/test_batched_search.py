@@ -140,7 +140,7 @@ def test_nnm_form_falls_back_to_the_sets_on_huge_or_non_finite_values():
     ctx = RoundContext((0, 1, 1), 8, 2)
     honest = torch.randn(6, 5, dtype=torch.float64)
     candidates = torch.randn(4, 5, dtype=torch.float64)
-    candidates[1] = torch.finfo(torch.float64).max / 2  # two copies sum past the range in the mixing product
+    candidates[1] = torch.finfo(torch.float64).max / 2  # distances overflow: direct differences, infinitely far
     candidates[2, 0] = 1e200  # squared norm beyond float64
     got = chain.aggregate_repeated(honest, candidates, 2, ctx)
     assert torch.isfinite(got).all()
@@ -149,3 +149,19 @@ def test_nnm_form_falls_back_to_the_sets_on_huge_or_non_finite_values():
     assert chain.steps[0].transform_repeated(honest, candidates, 2, ctx) is None
     torch.testing.assert_close(chain.aggregate_repeated(honest, candidates, 2, ctx),
                                _explicit(chain, honest, candidates, 2, ctx), equal_nan=True)
+
+
+@pytest.mark.parametrize("steps", [[], ["nnm"]])
+def test_closed_form_falls_back_when_its_prefix_sums_overflow(steps):
+    """Honest values near the float64 range: the closed form's prefix sums overflow (``inf - inf``); it then gives
+    what the sets give (the window's mean overflows there too), not NaN."""
+    chain = build_aggregator("cwtm", steps)
+    ctx = RoundContext((0, 1, 1), 12, 3)
+    g = torch.Generator().manual_seed(2)
+    honest = torch.finfo(torch.float64).max / 4 * (1 + torch.rand(9, 4, generator=g, dtype=torch.float64))
+    candidates = torch.cat([torch.randn(2, 4, generator=g, dtype=torch.float64),  # below: one range overflows
+                            torch.finfo(torch.float64).max * torch.tensor([[0.6], [0.9]], dtype=torch.float64)
+                            .expand(-1, 4)])  # above: two ranges overflow, inf - inf
+    got = chain.aggregate_repeated(honest, candidates, 3, ctx)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _explicit(chain, honest, candidates, 3, ctx))

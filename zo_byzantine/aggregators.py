@@ -138,7 +138,7 @@ def _repeated_window_sums(honest: torch.Tensor, candidates: torch.Tensor, k: int
     whose window holds the same honest values get the same bits). One sort of the honest values and a search per
     candidate, instead of a sort of ``h + k`` values per candidate. Float64 sums of finite inputs."""
     shared = honest.dim() == 2
-    ordered = sort_values(honest.double().transpose(-1, -2), -1)  # [d, h] or [C, d, h]: coordinates as rows
+    ordered = sort_values(honest.double().transpose(-1, -2), -1).contiguous()  # [d, h] or [C, d, h]: coordinate rows
     prefix = torch.cat([ordered.new_zeros(*ordered.shape[:-1], 1), ordered.cumsum(dim=-1)], dim=-1)
     values = (candidates.double().T if shared else candidates.double()[..., None]).contiguous()  # [d, C] or [C, d, 1]
     r = torch.searchsorted(ordered, values)
@@ -157,13 +157,15 @@ def _repeated_window_sums(honest: torch.Tensor, candidates: torch.Tensor, k: int
 
 def _repeated_window_mean(rule, honest, candidates, k: int, ctx: RoundContext, window) -> torch.Tensor:
     """A coordinate-wise rule's value on ``honest`` plus ``k`` copies of each candidate: the mean of the sorted
-    positions ``window(m) = (start, stop)`` (:func:`_repeated_window_sums`); non-finite inputs take the sets' path."""
+    positions ``window(m) = (start, stop)`` (:func:`_repeated_window_sums`); non-finite inputs, and prefix sums that
+    overflowed (values near the float64 range: ``inf - inf``), take the sets' path."""
     m = honest.shape[-2] + k
     rule.check(m, ctx.num_byzantine)
     if not _finite(honest, candidates):
         return Rule.aggregate_repeated(rule, honest, candidates, k, ctx)
     start, stop = window(m)
-    return (_repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)).to(candidates.dtype)
+    means = _repeated_window_sums(honest, candidates, k, start, stop) / (stop - start)
+    return means.to(candidates.dtype) if _finite(means) else Rule.aggregate_repeated(rule, honest, candidates, k, ctx)
 
 
 def _kept_in_window(vectors: torch.Tensor, ordered: torch.Tensor, k: int, mask: torch.Tensor) -> int:
@@ -749,7 +751,7 @@ class Chain(Rule):
             mixed = mixing[part] @ honest + own[part, :, None] * candidates[part, None, :]
             if _finite(mixed):
                 outputs.append(rest.aggregate_repeated(mixed[:, :h], mixed[:, h], k, after))
-            else:  # huge rows summed past the dtype's range: the sets, with NNM's rescaled means
+            else:  # weights sum to 1, so only rounding at the top of the range: the sets, with NNM's rescaled means
                 outputs.append(super().aggregate_repeated(honest, candidates[part], k, ctx))
         return torch.cat(outputs)
 

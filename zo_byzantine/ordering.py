@@ -5,8 +5,9 @@ search over 21 such sets); torch's CPU sort takes 10 ms for 40 x 7,850 float64 v
 NumPy's vectorised sort 1.6 and 41 ms on the same machine (one thread, ``benchmarks/README.md``). The values
 are the same (NaN last; ``-0.0`` equals ``0.0``, as in torch, so the two zeros may sit in another order among
 themselves than torch's unstable sort puts them), the stable order is the same (equal values keep their
-positions, NaNs among NaNs as well); the result is contiguous in the input's shape, as torch's, so sums over
-it have the same bits. Other devices and dtypes, and tensors that require grad, use torch.
+positions, NaNs among NaNs as well); the result is contiguous in the input's shape, as torch's is for a
+contiguous input (for a strided one torch keeps the input's strides), so sums over it have the same bits.
+Other devices and dtypes, and tensors that require grad, use torch.
 """
 
 from __future__ import annotations
