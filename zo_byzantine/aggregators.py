@@ -51,12 +51,27 @@ def _gram_sq_distances(wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dist, norms
 
 
-def _mix_nearest(vectors: torch.Tensor, dist: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NNM's means as one product (``[..., m, d]``): row i of the weights holds 1/keep at the ``keep`` vectors
-    nearest v_i by ``dist``, 0 elsewhere. Returns the mixed vectors and the neighbours' indices."""
+def _nearest_weights(dist: torch.Tensor, keep: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """NNM's weights (``[..., m, m]``): row i holds 1/keep at the ``keep`` vectors nearest v_i by ``dist`` (stable
+    order: the first of equal distances), 0 elsewhere. Returns the weights and the neighbours' indices."""
     nearest = argsort_stable(dist, -1)[..., :keep]
-    weights = torch.zeros(*dist.shape, dtype=vectors.dtype, device=vectors.device)
-    return weights.scatter_(-1, nearest, 1.0 / keep) @ vectors, nearest
+    weights = torch.zeros(*dist.shape, dtype=dtype, device=dist.device)
+    return weights.scatter_(-1, nearest, 1.0 / keep), nearest
+
+
+def _mix_nearest(vectors: torch.Tensor, dist: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NNM's means as one product (``[..., m, d]``, :func:`_nearest_weights`). Returns the mixed vectors and the
+    neighbours' indices."""
+    weights, nearest = _nearest_weights(dist, keep, vectors.dtype)
+    return weights @ vectors, nearest
+
+
+def _distances_to_honest(honest: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Squared) distances among the ``h`` honest vectors (``h x h``) and from each candidate to them (``C x h``),
+    from one :func:`_pairwise_sq_distances` of both (the candidates' own pairs unused)."""
+    h = len(honest)
+    dist = _pairwise_sq_distances(torch.cat([honest, candidates]))
+    return dist[:h, :h], dist[h:, :h]
 
 
 def _pairwise_sq_distances(vectors: torch.Tensor) -> torch.Tensor:
@@ -434,8 +449,7 @@ class Krum(_KrumFamily):
         self.check(m, ctx.num_byzantine)
         if honest.dim() == 3 or h < 2 or not _finite(honest, candidates):
             return super().aggregate_repeated(honest, candidates, k, ctx)
-        dist = _pairwise_sq_distances(torch.cat([honest, candidates]))  # (h + C)^2: candidates' pairs unused
-        inner, to_point = dist[:h, :h], dist[h:, :h]
+        inner, to_point = _distances_to_honest(honest, candidates)
         if not self.squared:
             inner, to_point = inner.sqrt(), to_point.sqrt()
         n = m - f - 2
@@ -633,13 +647,10 @@ class NNM(PreAggregator):
         self.check(m, f)
         if honest.dim() != 2 or not _finite(honest, candidates):
             return None
-        dist = _pairwise_sq_distances(torch.cat([honest, candidates]))  # (h + C)^2: candidates' pairs unused
-        inner, to_point = dist[:h, :h], dist[h:, :h]
+        inner, to_point = _distances_to_honest(honest, candidates)
         to_honest = torch.cat([inner.expand(count, h, h), to_point[:, None, :]], dim=1)  # [C, h + 1, h]
         to_copies = torch.cat([to_point[:, :, None], to_point.new_zeros(count, 1, 1)], dim=1).expand(-1, -1, k)
-        nearest = argsort_stable(torch.cat([to_honest, to_copies], dim=2), -1)[..., : m - f]
-        weights = torch.zeros(count, h + 1, m, dtype=honest.dtype, device=honest.device)
-        weights.scatter_(-1, nearest, 1.0 / (m - f))
+        weights, _ = _nearest_weights(torch.cat([to_honest, to_copies], dim=2), m - f, honest.dtype)
         return weights[..., :h].contiguous(), weights[..., h:].sum(dim=-1)
 
 
