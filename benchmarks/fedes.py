@@ -58,6 +58,7 @@ from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 CLIENTS, PER_CLIENT = 10, 6000
 METHODS = ("fedes", "fedgd")
 SPLITS = ("iid", "dirichlet", "shards")
+SCHEDULES = ("constant", "linear", "cosine")
 STARTED = time.monotonic()
 RESULTS = os.path.join(HERE, "results")
 PAPER = {64: (95.64, 95.58), 256: (94.15, 94.13), 1024: (93.76, 93.90)}  # Table I: i.i.d., non-i.i.d. (%)
@@ -83,15 +84,19 @@ def batches_per_client(n_b: int, per_client: int = PER_CLIENT) -> int:
 
 
 def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: int, eval_every: int,
-              budget_gb: float, per_client: int, per_direction: bool = False) -> ZOByzantineArguments:
-    """The federation of a FedES (or FedGD) run; see the module's docstring."""
+              budget_gb: float, per_client: int, per_direction: bool = False,
+              schedule: str = "constant") -> ZOByzantineArguments:
+    """The federation of a FedES (or FedGD) run; see the module's docstring. ``schedule``: the learning rate's,
+    from 0.01 (the paper's, constant) over ``rounds`` (``transformers``' ``lr_scheduler_type``)."""
     if method not in METHODS:
         raise ValueError(f"--method={method!r}; accepted: {', '.join(METHODS)}.")
     if split not in SPLITS:
         raise ValueError(f"--split={split!r}; accepted: {', '.join(SPLITS)}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedule={schedule!r}; accepted: {', '.join(SCHEDULES)}.")
     common = dict(
         output_dir=out, num_clients=CLIENTS, num_byzantine=0, aggregator="mean", attack="none", partition=split,
-        learning_rate=0.01, lr_scheduler_type="constant", max_steps=rounds, eval_strategy="steps",
+        learning_rate=0.01, lr_scheduler_type=schedule, max_steps=rounds, eval_strategy="steps",
         eval_steps=eval_every, logging_steps=eval_every, save_strategy="steps", save_steps=eval_every,
         save_total_limit=1, report_to=[], disable_tqdm=True,
         remove_unused_columns=False, seed=seed, per_device_eval_batch_size=10_000, zo_cache_budget_gb=budget_gb,
@@ -105,14 +110,22 @@ def arguments(out: str, method: str, split: str, n_b: int, seed: int, rounds: in
 
 
 def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False, inputs: str = "standardized",
-         batches: str = "one") -> str:
+         batches: str = "one", schedule: str = "constant", rounds: int = 0) -> str:
     """A run's file name: ``fedes_iid_nB64_s0``; FedGD has no n_B (full local batches): ``fedgd_iid_s0``; ``_unit``
-    for pixels in [0, 1]; ``_db`` for a batch per direction; a smoke run's name starts with ``smoke_`` (its
-    checkpoints never meet a real run's)."""
+    for pixels in [0, 1]; ``_db`` for a batch per direction; ``_cosine900`` for a learning rate decaying over 900
+    rounds (the schedule depends on the length: another length is another run); a smoke run's name starts with
+    ``smoke_`` (its checkpoints never meet a real run's)."""
     name = f"fedes_{split}_nB{n_b}_s{seed}" if method == "fedes" else f"fedgd_{split}_s{seed}"
     name += "_unit" if inputs == "unit" else ""
     name += "_db" if batches == "per_direction" and method == "fedes" else ""
+    name += f"_{schedule}{rounds}" if schedule != "constant" else ""
     return "smoke_" + name if smoke else name
+
+
+def run_stem(args) -> str:
+    """``stem`` of the command line's run."""
+    return stem(args.method, args.split, args.n_B, args.seed, args.smoke, args.inputs, args.batches, args.schedule,
+                args.rounds)
 
 
 class StopWhenDiverged(TrainerCallback):
@@ -152,10 +165,9 @@ def run(args, previous: dict | None) -> dict:
         per_client = 64
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
-    folder = os.path.join(args.runs_dir, "tmp", stem(args.method, args.split, args.n_B, args.seed, args.smoke,
-                                                     args.inputs, args.batches))
+    folder = os.path.join(args.runs_dir, "tmp", run_stem(args))
     zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
-                   args.budget_gb, per_client, args.batches == "per_direction")
+                   args.budget_gb, per_client, args.batches == "per_direction", args.schedule)
     torch.manual_seed(args.seed)
     trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
                                  data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
@@ -178,6 +190,7 @@ def run(args, previous: dict | None) -> dict:
     result = {
         "method": args.method, "split": args.split, "n_B": args.n_B, "seed": args.seed, "inputs": args.inputs,
         "batches": args.batches if args.method == "fedes" else None,
+        "schedule": args.schedule, "schedule_rounds": args.rounds if args.schedule != "constant" else None,
         "clients": CLIENTS, "diverged_at": diverged.diverged_at,
         "per_client": per_client, "estimator": zo.estimator, "directions": zo.directions,
         "directions_per_client": zo.num_perturbations if args.method == "fedes" else None,
@@ -202,7 +215,10 @@ def main(argv=None):
                         help="pixels (x/255 - 0.1307)/0.3081 or x/255 (the paper does not say)")
     parser.add_argument("--batches", default="one", choices=("one", "per_direction"),
                         help="one batch of n_B for all directions of a round, or one per direction (FedES)")
-    parser.add_argument("--rounds", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of the run (default: until its time is up; required with --schedule)")
+    parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
+                        help="learning rate from 0.01 (the paper's: constant), decaying to 0 over --rounds")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     parser.add_argument("--wall_minutes", type=float, default=None, help="stop at this wall time since start")
     parser.add_argument("--eval_every", type=int, default=50)
@@ -213,6 +229,11 @@ def main(argv=None):
     parser.add_argument("--report", action="store_true", help="write results/fedes.md from the runs, run nothing")
     parser.add_argument("--smoke", action="store_true", help="10 clients x 64 images, 4 rounds")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        if args.schedule != "constant":
+            parser.error(f"--schedule {args.schedule} decays the learning rate over --rounds: give --rounds "
+                         "(accepted values: integers >= 1).")
+        args.rounds = 100_000
     for name in ("n_B", "rounds", "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)}: accepted values are integers >= 1.")
@@ -227,8 +248,7 @@ def main(argv=None):
         return report(args.runs_dir, os.path.join(RESULTS, "fedes.md"))
     if args.smoke:
         args.rounds, args.eval_every = min(args.rounds, 4), 2
-    path = os.path.join(args.runs_dir, stem(args.method, args.split, args.n_B, args.seed, args.smoke,
-                                            args.inputs, args.batches) + ".json")
+    path = os.path.join(args.runs_dir, run_stem(args) + ".json")
     previous = None
     if os.path.exists(path):
         with open(path) as f:
@@ -254,7 +274,8 @@ def report(runs_dir: str, path: str) -> list[str]:
             with open(os.path.join(runs_dir, name)) as f:
                 r = json.load(f)
             n_b = r["n_B"] if r["method"] == "fedes" else None
-            key = (r["method"], r["split"], n_b, r.get("inputs", "standardized"), r.get("batches") or "one")
+            key = (r["method"], r["split"], n_b, r.get("inputs", "standardized"), r.get("batches") or "one",
+                   r.get("schedule", "constant"), r.get("schedule_rounds") or 0)
             runs.setdefault(key, []).append(r)
 
     def cell(key):
@@ -268,25 +289,28 @@ def report(runs_dir: str, path: str) -> list[str]:
             parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {end}, {'+'.join(devices)})")
         return " / ".join(parts)
 
-    lines = ["| method | inputs | batches | n_B | directions per client | paper i.i.d. | ours iid | paper non-i.i.d. | "
-             "ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|---|"]
-    first = ("standardized", "one")
+    lines = ["| method | inputs | batches | learning rate | n_B | directions per client | paper i.i.d. | ours iid | "
+             "paper non-i.i.d. | ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    first = ("standardized", "one", "constant", 0)
     kinds = sorted({key[3:] for key in runs} | {first}, key=lambda kind: kind != first)
-    for inputs, batches in kinds:
+    for kind in kinds:
+        inputs, batches, schedule, length = kind
+        rate = "0.01" if schedule == "constant" else f"0.01, {schedule} to 0 over {length} rounds"
         for n_b, (iid, non_iid) in PAPER.items():
-            cells = [cell(("fedes", split, n_b, inputs, batches)) for split in SPLITS]
-            if any(c != "not run" for c in cells) or (inputs, batches) == first:
-                lines.append(f"| FedES | {inputs} | {batches} | {n_b} | {batches_per_client(n_b)} | {iid} | "
+            cells = [cell(("fedes", split, n_b, *kind)) for split in SPLITS]
+            if any(c != "not run" for c in cells) or kind == first:
+                lines.append(f"| FedES | {inputs} | {batches} | {rate} | {n_b} | {batches_per_client(n_b)} | {iid} | "
                              f"{cells[0]} | {non_iid} | {cells[1]} | {cells[2]} |")
-        cells = [cell(("fedgd", split, None, inputs, batches)) for split in SPLITS]
-        if any(c != "not run" for c in cells) or (inputs, batches) == first:
-            lines.append(f"| FedGD | {inputs} | (all) | {PER_CLIENT} | (gradient) | | {cells[0]} | | {cells[1]} | "
-                         f"{cells[2]} |")
+        cells = [cell(("fedgd", split, None, *kind)) for split in SPLITS]
+        if any(c != "not run" for c in cells) or kind == first:
+            lines.append(f"| FedGD | {inputs} | (all) | {rate} | {PER_CLIENT} | (gradient) | | {cells[0]} | | "
+                         f"{cells[1]} | {cells[2]} |")
     lines += ["", "Test accuracy (%) at every evaluation (round: accuracy):", ""]
-    for (method, split, n_b, inputs, batches), group in runs.items():
+    for (method, split, n_b, inputs, batches, schedule, length), group in runs.items():
         for r in group:
-            lines.append(f"- {stem(method, split, n_b or 0, r['seed'], inputs=inputs, batches=batches)}: "
-                         + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
+            name = stem(method, split, n_b or 0, r["seed"], inputs=inputs, batches=batches, schedule=schedule,
+                        rounds=length)
+            lines.append(f"- {name}: " + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
         f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
                           + lines) + "\n")

@@ -170,7 +170,20 @@ def test_fedes_smoke_with_a_batch_per_direction(tmp_path):
     assert result["curve"][-1][1] != result["start"]
 
 
+def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
+    """``--schedule cosine --rounds 4``: a run of its own name whose steps after the first are smaller than the
+    constant rate's: the first two rounds' losses are the constant run's (rounds 1 and 2 start from the same
+    weights), the last two's are not."""
+    constant = _fedes(tmp_path / "constant")
+    cosine = _fedes(tmp_path / "cosine", "--schedule", "cosine", "--rounds", "4")
+    assert [p.name for p in (tmp_path / "cosine").iterdir() if p.suffix == ".json"] == \
+        ["smoke_fedes_iid_nB64_s0_cosine4.json"]
+    assert (cosine["schedule"], cosine["schedule_rounds"], constant["schedule_rounds"]) == ("cosine", 4, None)
+    assert cosine["loss"][0] == constant["loss"][0] and cosine["loss"][1] != constant["loss"][1]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--schedule", "cosine"], "--schedule cosine decays the learning rate over --rounds: give --rounds"),
     (["--n_B", "0"], "--n_B=0"), (["--rounds", "0"], "--rounds=0"), (["--eval_every", "-1"], "--eval_every=-1"),
     (["--method", "fedgd", "--split", "dirichlet"], "accepted splits for fedgd: iid, shards"),
     (["--split", "random"], "invalid choice: 'random'"),
