@@ -1,0 +1,164 @@
+"""FedES's estimate at a checkpoint: its signal, its noise, and what each does to the loss in one step.
+
+Why (issue 20, item 2): at the paper's constant learning rate our non-IID FedES stalls near 90 % and then diverges
+where IID keeps learning. With the antithetic Gaussian directions of Algorithm 1 (sigma -> 0), client k's direction
+b on its batch b reports ``(z_k^b)^T g_k^b`` (``g_k^b``: the gradient of that batch's loss) and the server steps along
+
+    g_hat = sum_k rho_k / B_k sum_b z_k^b (z_k^b)^T g_k^b,     E g_hat = g = sum_k rho_k / B_k sum_b g_k^b,
+
+    E ||g_hat - g||^2 = (N + 1) sum_k rho_k^2 / B_k^2 sum_b ||g_k^b||^2      (independent z ~ N(0, I_N)),
+
+since ``E ||z z^T v - v||^2 = (N + 1) ||v||^2``. The noise grows with the batches' own gradients, not with their
+mean: label-skewed batches keep large gradients where the global gradient is small. With directions shared by all
+clients (``directions="shared"``, one ``z^b`` per batch index) it would be ``(N + 1) / B^2 sum_b ||sum_k rho_k
+g_k^b||^2`` (printed for comparison; not the paper's FedES).
+
+The script loads a run's checkpoint, forms every client's batches as the run does (``zo_direction_batch_size``
+batches from its partition, its size weight rho_k), computes each batch's gradient (float64 sums), and measures on
+``--probe`` training examples: the loss change of the mean step ``L(w - alpha g) - L(w)`` and the mean loss increase
+of a random step of the noise's norm, ``(L(w + e) + L(w - e)) / 2 - L(w)`` with ``e`` Gaussian, ``||e|| = alpha
+sqrt(E ||g_hat - g||^2)`` (the noise part of ``g_hat`` is such a vector: a sum of Gaussian directions), averaged over
+``--directions`` draws. A ratio above 1 says a step's noise costs more loss than its mean gains.
+
+    python benchmarks/fedes_noise.py --run fedes_iid_nB256_s0_db
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import load_example  # noqa: E402
+from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint  # noqa: E402
+
+from zo_byzantine.checks import build_federation  # noqa: E402
+
+NAME = re.compile(r"fedes_(?P<split>iid|dirichlet|shards)_nB(?P<n_B>\d+)_s(?P<seed>\d+)(?P<unit>_unit)?_db"
+                  r"(_(constant|linear|cosine)\d+)?")
+
+
+def batch_gradient(model: MLP, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The gradient of the mean cross-entropy on ``(x, labels)``, flat, float64."""
+    model.zero_grad(set_to_none=True)
+    model(x, labels)["loss"].backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+
+
+def client_batches(partition: np.ndarray, count: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``count`` batches of ``size`` from the client's data as a stream of shuffled passes (the run's layout:
+    one epoch a round, the last batch filled from the next pass)."""
+    passes = -(-count * size // len(partition))
+    stream = np.concatenate([rng.permutation(partition) for _ in range(passes)])
+    return [stream[i * size:(i + 1) * size] for i in range(count)]
+
+
+@torch.no_grad()
+def loss_at(model: MLP, flat: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> float:
+    """The mean cross-entropy on ``x`` with the weights ``flat``."""
+    torch.nn.utils.vector_to_parameters(flat.float(), model.parameters())
+    return float(model(x, labels)["loss"])
+
+
+def measure(model: MLP, federation, x, labels, n_b: int, nu: int, lr: float, probe: int, directions: int,
+            seed: int) -> dict:
+    """The quantities of the module's docstring for the weights in ``model``."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([len(p) for p in federation.partitions], dtype=np.float64)
+    rho = sizes / sizes.sum()
+    n = sum(p.numel() for p in model.parameters())
+    g = torch.zeros(n, dtype=torch.float64)
+    shared = torch.zeros(nu, n, dtype=torch.float64)  # row b: sum_k rho_k g_k^b
+    squares, client_norms, batch_rms = 0.0, [], []
+    for r, part in zip(rho, federation.partitions, strict=True):
+        mean, client_squares = torch.zeros(n, dtype=torch.float64), 0.0
+        for b, batch in enumerate(client_batches(part, nu, n_b, rng)):
+            grad = batch_gradient(model, x[batch], labels[batch])
+            mean += grad / nu
+            shared[b] += r * grad
+            client_squares += float(grad @ grad)
+        g += r * mean
+        squares += r ** 2 / nu ** 2 * client_squares
+        client_norms.append(float(mean.norm()))
+        batch_rms.append((client_squares / nu) ** 0.5)
+    noise2 = (n + 1) * squares
+    noise2_shared = (n + 1) / nu ** 2 * float((shared ** 2).sum())
+    del shared
+    w = torch.nn.utils.parameters_to_vector(model.parameters()).detach().double()
+    keep = torch.as_tensor(rng.choice(len(labels), probe, replace=False))
+    xp, lp = x[keep], labels[keep]
+    base = loss_at(model, w, xp, lp)
+    descent = loss_at(model, w - lr * g, xp, lp) - base
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise_cost(norm2: float) -> tuple[float, float]:
+        costs = []
+        for _ in range(directions):
+            e = torch.randn(n, generator=generator, dtype=torch.float64)
+            e *= lr * norm2 ** 0.5 / e.norm()
+            costs.append((loss_at(model, w + e, xp, lp) + loss_at(model, w - e, xp, lp)) / 2 - base)
+        return float(np.mean(costs)), float(np.std(costs) / np.sqrt(directions))
+
+    cost, cost_se = noise_cost(noise2)
+    cost_shared, cost_shared_se = noise_cost(noise2_shared)
+    torch.nn.utils.vector_to_parameters(w.float(), model.parameters())
+    return {
+        "parameters": n, "loss": base, "grad_norm": float(g.norm()),
+        "client_grad_norms": client_norms, "batch_grad_rms": batch_rms, "rho": rho.tolist(),
+        "noise_norm": noise2 ** 0.5, "noise_to_signal": noise2 ** 0.5 / float(g.norm()),
+        "descent": descent, "noise_cost": cost, "noise_cost_se": cost_se, "ratio": cost / -descent,
+        "shared_noise_norm": noise2_shared ** 0.5, "shared_noise_cost": cost_shared,
+        "shared_noise_cost_se": cost_shared_se, "shared_ratio": cost_shared / -descent,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="a run's name under --runs_dir/tmp, e.g. fedes_iid_nB256_s0_db")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint-<round> folder (default: the run's newest)")
+    parser.add_argument("--runs_dir", default=os.path.join(HERE, "results", "fedes_runs"))
+    parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
+    parser.add_argument("--probe", type=int, default=5000, help="training examples the losses are measured on")
+    parser.add_argument("--directions", type=int, default=8, help="random noise steps averaged")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
+    args = parser.parse_args(argv)
+    folder = os.path.join(args.runs_dir, "tmp", args.run)
+    checkpoint = args.checkpoint or last_checkpoint(folder)
+    if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
+        parser.error(f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
+    run = NAME.fullmatch(args.run)
+    if run is None:
+        parser.error(f"--run={args.run!r}: accepted runs are FedES with a batch per direction, named "
+                     "fedes_<split>_nB<n_B>_s<seed>[_unit]_db[_<schedule><rounds>].")
+    split, n_b, seed, unit = run["split"], int(run["n_B"]), int(run["seed"]), bool(run["unit"])
+    nu = batches_per_client(n_b)
+    mnist = load_example("run_mnist_fed")
+    train = mnist.MNIST(args.data, "train", not unit)
+    zo = arguments(folder, "fedes", split, n_b, seed, 1, 1, 0.0, PER_CLIENT, True)
+    federation = build_federation(zo, train)
+    assert federation.num_clients == CLIENTS
+    model = MLP()
+    model.load_state_dict(load_file(os.path.join(checkpoint, "model.safetensors")))
+    result = {"run": args.run, "checkpoint": os.path.basename(checkpoint), "lr": args.lr,
+              **measure(model, federation, train.x, train.labels, n_b, nu, args.lr, args.probe, args.directions,
+                        args.seed)}
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
