@@ -129,6 +129,8 @@ def main(argv=None):
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--probe", type=int, default=5000, help="training examples the losses are measured on")
     parser.add_argument("--directions", type=int, default=8, help="random noise steps averaged")
+    parser.add_argument("--n_B", type=int, default=None,
+                        help="measure with this batch size (B_k = ceil(6,000 / n_B) directions) instead of the run's")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
@@ -141,7 +143,10 @@ def main(argv=None):
     if run is None:
         parser.error(f"--run={args.run!r}: accepted runs are FedES with a batch per direction, named "
                      "fedes_<split>_nB<n_B>_s<seed>[_unit]_db[_<schedule><rounds>].")
-    split, n_b, seed, unit = run["split"], int(run["n_B"]), int(run["seed"]), bool(run["unit"])
+    split, seed, unit = run["split"], int(run["seed"]), bool(run["unit"])
+    n_b = int(run["n_B"]) if args.n_B is None else args.n_B
+    if n_b < 1:
+        parser.error(f"--n_B={n_b}: accepted values are integers >= 1.")
     nu = batches_per_client(n_b)
     mnist = load_example("run_mnist_fed")
     train = mnist.MNIST(args.data, "train", not unit)
@@ -150,7 +155,7 @@ def main(argv=None):
     assert federation.num_clients == CLIENTS
     model = MLP()
     model.load_state_dict(load_file(os.path.join(checkpoint, "model.safetensors")))
-    result = {"run": args.run, "checkpoint": os.path.basename(checkpoint), "lr": args.lr,
+    result = {"run": args.run, "checkpoint": os.path.basename(checkpoint), "lr": args.lr, "n_B": n_b,
               **measure(model, federation, train.x, train.labels, n_b, nu, args.lr, args.probe, args.directions,
                         args.seed)}
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
