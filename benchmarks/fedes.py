@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -120,6 +121,22 @@ def stem(method: str, split: str, n_b: int, seed: int, smoke: bool = False, inpu
     name += "_db" if batches == "per_direction" and method == "fedes" else ""
     name += f"_{schedule}{rounds}" if schedule != "constant" else ""
     return "smoke_" + name if smoke else name
+
+
+STEM = re.compile(rf"(?P<smoke>smoke_)?(?P<method>fedes|fedgd)_(?P<split>{'|'.join(SPLITS)})(_nB(?P<n_B>\d+))?"
+                  rf"_s(?P<seed>\d+)(?P<unit>_unit)?(?P<db>_db)?(_(?P<schedule>{'|'.join(SCHEDULES[1:])})(?P<rounds>\d+))?")
+
+
+def parse_stem(name: str) -> dict | None:
+    """``stem``'s arguments from a run's name (None for another name): method, split, n_B (None for FedGD), seed,
+    smoke, inputs, batches, schedule, rounds (0 for the constant rate)."""
+    match = STEM.fullmatch(name)
+    if match is None:
+        return None
+    return {"method": match["method"], "split": match["split"], "n_B": int(match["n_B"]) if match["n_B"] else None,
+            "seed": int(match["seed"]), "smoke": bool(match["smoke"]),
+            "inputs": "unit" if match["unit"] else "standardized", "batches": "per_direction" if match["db"] else "one",
+            "schedule": match["schedule"] or "constant", "rounds": int(match["rounds"] or 0)}
 
 
 def run_stem(args) -> str:

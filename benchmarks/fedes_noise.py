@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -39,12 +38,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _common import load_example  # noqa: E402
-from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint  # noqa: E402
+from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint, parse_stem  # noqa: E402
 
 from zo_byzantine.checks import build_federation  # noqa: E402
-
-NAME = re.compile(r"fedes_(?P<split>iid|dirichlet|shards)_nB(?P<n_B>\d+)_s(?P<seed>\d+)(?P<unit>_unit)?_db"
-                  r"(_(constant|linear|cosine)\d+)?")
 
 
 def batch_gradient(model: MLP, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -139,12 +135,13 @@ def main(argv=None):
     checkpoint = args.checkpoint or last_checkpoint(folder)
     if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
         parser.error(f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
-    run = NAME.fullmatch(args.run)
-    if run is None:
+    run = parse_stem(args.run)
+    if run is None or run["method"] != "fedes" or run["n_B"] is None or run["smoke"] \
+            or run["batches"] != "per_direction":
         parser.error(f"--run={args.run!r}: accepted runs are FedES with a batch per direction, named "
                      "fedes_<split>_nB<n_B>_s<seed>[_unit]_db[_<schedule><rounds>].")
-    split, seed, unit = run["split"], int(run["seed"]), bool(run["unit"])
-    n_b = int(run["n_B"]) if args.n_B is None else args.n_B
+    split, seed, unit = run["split"], run["seed"], run["inputs"] == "unit"
+    n_b = run["n_B"] if args.n_B is None else args.n_B
     if n_b < 1:
         parser.error(f"--n_B={n_b}: accepted values are integers >= 1.")
     nu = batches_per_client(n_b)

@@ -170,6 +170,21 @@ def test_fedes_smoke_with_a_batch_per_direction(tmp_path):
     assert result["curve"][-1][1] != result["start"]
 
 
+@pytest.mark.parametrize("argv", [
+    ("fedes", "iid", 64, 0, False, "standardized", "one", "constant", 0),
+    ("fedes", "dirichlet", 256, 3, False, "unit", "per_direction", "cosine", 1200),
+    ("fedgd", "shards", None, 1, True, "standardized", "one", "linear", 7),
+])
+def test_fedes_run_names_parse_back_to_their_arguments(argv):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import parse_stem, stem
+
+    method, split, n_b, seed, smoke, inputs, batches, schedule, rounds = argv
+    parsed = parse_stem(stem(method, split, n_b or 0, seed, smoke, inputs, batches, schedule, rounds))
+    assert tuple(parsed.values()) == argv
+    assert parse_stem("fedes_iid_nB64_s0_db_cosine") is None and parse_stem("fedes_random_nB64_s0") is None
+
+
 def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
     """``--schedule cosine --rounds 4``: a run of its own name whose steps after the first are smaller than the
     constant rate's: the first two rounds' losses are the constant run's (rounds 1 and 2 start from the same
