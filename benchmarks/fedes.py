@@ -128,15 +128,20 @@ STEM = re.compile(rf"(?P<smoke>smoke_)?(?P<method>fedes|fedgd)_(?P<split>{'|'.jo
 
 
 def parse_stem(name: str) -> dict | None:
-    """``stem``'s arguments from a run's name (None for another name): method, split, n_B (None for FedGD), seed,
-    smoke, inputs, batches, schedule, rounds (0 for the constant rate)."""
+    """``stem``'s arguments from a run's name (None for a name ``stem`` does not write): method, split, n_B (None
+    for FedGD), seed, smoke, inputs, batches, schedule, rounds (0 for the constant rate)."""
     match = STEM.fullmatch(name)
     if match is None:
         return None
-    return {"method": match["method"], "split": match["split"], "n_B": int(match["n_B"]) if match["n_B"] else None,
-            "seed": int(match["seed"]), "smoke": bool(match["smoke"]),
-            "inputs": "unit" if match["unit"] else "standardized", "batches": "per_direction" if match["db"] else "one",
-            "schedule": match["schedule"] or "constant", "rounds": int(match["rounds"] or 0)}
+    parsed = {"method": match["method"], "split": match["split"],
+              "n_B": int(match["n_B"]) if match["n_B"] else None, "seed": int(match["seed"]),
+              "smoke": bool(match["smoke"]), "inputs": "unit" if match["unit"] else "standardized",
+              "batches": "per_direction" if match["db"] else "one", "schedule": match["schedule"] or "constant",
+              "rounds": int(match["rounds"] or 0)}
+    if parsed["schedule"] != "constant" and parsed["rounds"] < 1:
+        return None
+    arguments = {key: value for key, value in parsed.items() if key != "n_B"}
+    return parsed if stem(n_b=parsed["n_B"] or 0, **arguments) == name else None  # no leading zeros, no fedgd _db
 
 
 def run_stem(args) -> str:
@@ -226,12 +231,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="fedes", choices=METHODS)
     parser.add_argument("--split", default="iid", choices=SPLITS)
-    parser.add_argument("--n_B", type=int, default=64, help="FedES batch size n_B (directions = ceil(6000 / n_B))")
+    parser.add_argument("--n_B", type=int, default=None,
+                        help="FedES batch size n_B (directions = ceil(6000 / n_B)); default 64; not for fedgd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--inputs", default="standardized", choices=("standardized", "unit"),
                         help="pixels (x/255 - 0.1307)/0.3081 or x/255 (the paper does not say)")
     parser.add_argument("--batches", default="one", choices=("one", "per_direction"),
-                        help="one batch of n_B for all directions of a round, or one per direction (FedES)")
+                        help="one batch of n_B for all directions of a round, or one per direction (FedES only)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of the run (default: until its time is up; required with --schedule)")
     parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
@@ -243,9 +249,17 @@ def main(argv=None):
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--runs_dir", default=None, help="<run>.json and the checkpoints (tmp/<run>) of each run; "
                         "default results/fedes_runs (--smoke: a temporary folder)")
-    parser.add_argument("--report", action="store_true", help="write results/fedes.md from the runs, run nothing")
+    parser.add_argument("--report", action="store_true",
+                        help="write fedes.md from the runs of --runs_dir (results/ for the default), run nothing")
+    parser.add_argument("--restart", action="store_true",
+                        help="train a run whose JSON is there but whose checkpoint is not again from round 0, "
+                        "replacing its JSON (refused without it)")
     parser.add_argument("--smoke", action="store_true", help="10 clients x 64 images, 4 rounds")
     args = parser.parse_args(argv)
+    if args.method == "fedgd" and (args.n_B is not None or args.batches != "one"):
+        parser.error("--method fedgd: each client's gradient on its whole data; --n_B and --batches are FedES's "
+                     "(accepted with fedgd: neither).")
+    args.n_B = 64 if args.n_B is None else args.n_B
     if args.rounds is None:
         if args.schedule != "constant":
             parser.error(f"--schedule {args.schedule} decays the learning rate over --rounds: give --rounds "
@@ -254,15 +268,26 @@ def main(argv=None):
     for name in ("n_B", "rounds", "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)}: accepted values are integers >= 1.")
+    if args.seed < 0:
+        parser.error(f"--seed={args.seed}: accepted values are integers >= 0.")
+    for name in ("minutes", "wall_minutes"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name}={getattr(args, name)}: accepted values are numbers > 0.")
+    if not args.budget_gb >= 0:
+        parser.error(f"--budget_gb={args.budget_gb}: accepted values are numbers >= 0.")
     if args.method == "fedgd" and args.split == "dirichlet":
         parser.error("--method fedgd --split dirichlet: FedGD's full local batch needs clients of equal size; "
                      "accepted splits for fedgd: iid, shards.")
-    if args.runs_dir is None:
+    if args.report and args.smoke:
+        parser.error("--report --smoke: --report reads the runs of --runs_dir, --smoke runs in a new temporary "
+                     "folder; give one of them.")
+    default_runs = args.runs_dir is None
+    if default_runs:
         args.runs_dir = tempfile.mkdtemp(prefix="fedes_smoke_") if args.smoke else os.path.join(RESULTS, "fedes_runs")
     if args.report:
         if not os.path.isdir(args.runs_dir):
             parser.error(f"--runs_dir={args.runs_dir!r}: no such folder (nothing has been run there).")
-        return report(args.runs_dir, os.path.join(RESULTS, "fedes.md"))
+        return report(args.runs_dir, os.path.join(RESULTS if default_runs else args.runs_dir, "fedes.md"))
     if args.smoke:
         args.rounds, args.eval_every = min(args.rounds, 4), 2
     path = os.path.join(args.runs_dir, run_stem(args) + ".json")
@@ -273,6 +298,10 @@ def main(argv=None):
         if previous["rounds"] >= args.rounds or previous.get("diverged_at") is not None:
             print(f"{path}: finished ({previous['rounds']} rounds); kept as it is.")
             return previous
+        folder = os.path.join(args.runs_dir, "tmp", run_stem(args))
+        if last_checkpoint(folder) is None and not args.restart:
+            parser.error(f"{path} records {previous['rounds']} rounds but {folder} holds no checkpoint to resume "
+                         "from: give --restart to train this run again from round 0 (its JSON is replaced).")
     logging.disable(logging.WARNING)
     result = run(args, previous)
     os.makedirs(args.runs_dir, exist_ok=True)
@@ -300,16 +329,18 @@ def report(runs_dir: str, path: str) -> list[str]:
             return "not run"
         parts = []
         for r in runs[key]:
-            devices = sorted({"H100" if "H100" in leg["device"] else leg["device"] for leg in r.get("legs", [r])})
-            end = f"diverged at round {r['diverged_at']}" if r.get("diverged_at") is not None else \
-                f"{r['seconds'] / max(r['rounds'], 1):.2f} s/round"
+            legs = r.get("legs", [{"device": r["device"], "from": 0, "to": r["rounds"], "seconds": r["seconds"]}])
+            devices = sorted({"H100" if "H100" in leg["device"] else leg["device"] for leg in legs})
+            timed = sum(leg["to"] - leg["from"] for leg in legs)  # legs may leave gaps (a leg not recorded)
+            pace = f"{sum(leg['seconds'] for leg in legs) / timed:.2f} s/round" if timed else "time not recorded"
+            end = f"diverged at round {r['diverged_at']}" if r.get("diverged_at") is not None else pace
             parts.append(f"{100 * r['max']:.2f} ({r['rounds']} rounds, {end}, {'+'.join(devices)})")
         return " / ".join(parts)
 
     lines = ["| method | inputs | batches | learning rate | n_B | directions per client | paper i.i.d. | ours iid | "
              "paper non-i.i.d. | ours dirichlet | ours shards |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     first = ("standardized", "one", "constant", 0)
-    kinds = sorted({key[3:] for key in runs} | {first}, key=lambda kind: kind != first)
+    kinds = sorted({key[3:] for key in runs} | {first}, key=lambda kind: (kind != first, kind))  # first: the paper's
     for kind in kinds:
         inputs, batches, schedule, length = kind
         rate = "0.01" if schedule == "constant" else f"0.01, {schedule} to 0 over {length} rounds"

@@ -42,6 +42,8 @@ from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_
 
 from zo_byzantine.checks import build_federation  # noqa: E402
 
+TRAIN_EXAMPLES = 60_000
+
 
 def batch_gradient(model: MLP, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The gradient of the mean cross-entropy on ``(x, labels)``, flat, float64."""
@@ -72,23 +74,23 @@ def measure(model: MLP, federation, x, labels, n_b: int, nu: int, lr: float, pro
     sizes = np.array([len(p) for p in federation.partitions], dtype=np.float64)
     rho = sizes / sizes.sum()
     n = sum(p.numel() for p in model.parameters())
-    g = torch.zeros(n, dtype=torch.float64)
-    shared = torch.zeros(nu, n, dtype=torch.float64)  # row b: sum_k rho_k g_k^b
-    squares, client_norms, batch_rms = 0.0, [], []
-    for r, part in zip(rho, federation.partitions, strict=True):
-        mean, client_squares = torch.zeros(n, dtype=torch.float64), 0.0
-        for b, batch in enumerate(client_batches(part, nu, n_b, rng)):
-            grad = batch_gradient(model, x[batch], labels[batch])
-            mean += grad / nu
-            shared[b] += r * grad
-            client_squares += float(grad @ grad)
-        g += r * mean
-        squares += r ** 2 / nu ** 2 * client_squares
-        client_norms.append(float(mean.norm()))
-        batch_rms.append((client_squares / nu) ** 0.5)
-    noise2 = (n + 1) * squares
-    noise2_shared = (n + 1) / nu ** 2 * float((shared ** 2).sum())
-    del shared
+    batches = [client_batches(part, nu, n_b, rng) for part in federation.partitions]
+    means = [torch.zeros(n, dtype=torch.float64) for _ in rho]
+    client_squares, shared_squares = np.zeros(len(rho)), 0.0
+    for b in range(nu):  # batch index outermost: sum_k rho_k g_k^b in one vector, not nu of them
+        shared = torch.zeros(n, dtype=torch.float64)
+        for k, r in enumerate(rho):
+            grad = batch_gradient(model, x[batches[k][b]], labels[batches[k][b]])
+            means[k] += grad / nu
+            shared += r * grad
+            client_squares[k] += float(grad @ grad)
+        shared_squares += float(shared @ shared)
+    g = sum(r * mean for r, mean in zip(rho, means, strict=True))
+    noise2 = (n + 1) * float(np.sum(rho ** 2 / nu ** 2 * client_squares))
+    noise2_shared = (n + 1) / nu ** 2 * shared_squares
+    client_norms = [float(mean.norm()) for mean in means]
+    batch_rms = [float(s) for s in np.sqrt(client_squares / nu)]
+    del means, shared
     w = torch.nn.utils.parameters_to_vector(model.parameters()).detach().double()
     keep = torch.as_tensor(rng.choice(len(labels), probe, replace=False))
     xp, lp = x[keep], labels[keep]
@@ -131,7 +133,18 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
+    for name in ("probe", "directions"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: accepted values are integers >= 1.")
+    if args.probe > TRAIN_EXAMPLES:
+        parser.error(f"--probe={args.probe}: accepted values are 1 to {TRAIN_EXAMPLES:,} (MNIST's training set).")
+    if not args.lr > 0:
+        parser.error(f"--lr={args.lr}: accepted values are numbers > 0.")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        parser.error(f"--out={args.out!r}: its folder does not exist.")
     folder = os.path.join(args.runs_dir, "tmp", args.run)
+    if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint, "model.safetensors")):
+        parser.error(f"--checkpoint={args.checkpoint!r}: no model.safetensors in it.")
     checkpoint = args.checkpoint or last_checkpoint(folder)
     if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
         parser.error(f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")

@@ -38,7 +38,8 @@ enc() {  # name task attack lr [more encoder.py arguments]
 }
 fed() {  # name method n_B [more fedes.py arguments]; runs in $RUNS/fedes (one JSON per run, checkpoints in tmp/)
   local name=$1 method=$2 nb=$3; shift 3
-  timeout "$LIMIT" python3 benchmarks/fedes.py --method "$method" --n_B "$nb" --wall_minutes "$WALL" --data .gpu/mnist \
+  [ "$method" = fedes ] && set -- --n_B "$nb" "$@"  # FedGD has no n_B (its clients' whole data)
+  timeout "$LIMIT" python3 benchmarks/fedes.py --method "$method" --wall_minutes "$WALL" --data .gpu/mnist \
     --runs_dir "$RUNS/fedes" "$@" > "$RUNS/fed_$name.log" 2>&1 &
 }
 if [ "$SET" = draws ]; then

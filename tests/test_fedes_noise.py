@@ -15,12 +15,15 @@ from fedes_noise import batch_gradient, client_batches, measure  # noqa: E402
 
 
 def test_noise_norm_is_the_spread_of_sampled_estimates():
-    """Two clients of unequal size (rho 1/3, 2/3), 2 directions of 5 examples each: ``noise_norm``^2 equals the
-    mean ``||g_hat - g||^2`` of 4,000 estimates drawn as Algorithm 1 forms them (a Gaussian z per client and batch,
-    ``z z^T g_k^b``), within 5 %; the shared-direction form likewise with one z per batch index."""
+    """Two clients of unequal size (rho 1/3, 2/3) holding alike examples of one label, 2 directions of 5 examples each:
+    ``noise_norm``^2 equals the mean ``||g_hat - g||^2`` of 4,000 estimates drawn as Algorithm 1 forms them (a
+    Gaussian z per client and batch, ``z z^T g_k^b``), within 5 %; the shared-direction form likewise with one z per
+    batch index. With one label the clients' gradients align, so the shared form is larger by far more than the
+    tolerance (for equal gradients sqrt((1/3 + 2/3)^2 / (1/9 + 4/9)) = 1.34): neither passes for the other. Both
+    also equal the formulas written out on the batches' gradients (1e-9)."""
     torch.manual_seed(0)
     model = MLP(width=3)
-    x, labels = torch.randn(30, 784), torch.randint(0, 10, (30,))
+    x, labels = torch.randn(784) + 0.1 * torch.randn(30, 784), torch.zeros(30, dtype=torch.long)  # alike
     federation = SimpleNamespace(partitions=[np.arange(10), np.arange(10, 30)])
     nu, n_b, seed = 2, 5, 3
     got = measure(model, federation, x, labels, n_b, nu, lr=0.01, probe=30, directions=2, seed=seed)
@@ -42,5 +45,10 @@ def test_noise_norm_is_the_spread_of_sampled_estimates():
     sampled_shared = (shared - g).pow(2).sum(1).mean().sqrt()
     assert abs(got["noise_norm"] / float(sampled) - 1) < 0.05, (got["noise_norm"], float(sampled))
     assert abs(got["shared_noise_norm"] / float(sampled_shared) - 1) < 0.05
+    assert got["shared_noise_norm"] > 1.2 * got["noise_norm"]  # the two forms are told apart
+    exact = (n + 1) * sum(r ** 2 / nu ** 2 * float(gk.pow(2).sum()) for r, gk in zip(rho, grads, strict=True))
+    exact_shared = (n + 1) / nu ** 2 * float(sum(r * gk for r, gk in zip(rho, grads, strict=True)).pow(2).sum())
+    assert abs(got["noise_norm"] ** 2 / exact - 1) < 1e-9
+    assert abs(got["shared_noise_norm"] ** 2 / exact_shared - 1) < 1e-9
     assert abs(got["grad_norm"] / float(g.norm()) - 1) < 1e-9
     assert got["descent"] < 0  # a small step along -g lowers the loss

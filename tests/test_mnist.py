@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -152,8 +153,27 @@ def test_fedes_writes_the_result_of_a_leg_stopped_before_its_json(tmp_path):
     checkpoint, no round is trained (the trainer refuses a finished checkpoint)."""
     first = _fedes(tmp_path, "--rounds", "2")
     next(p for p in tmp_path.iterdir() if p.suffix == ".json").unlink()
+    checkpoint = next((tmp_path / "tmp").iterdir()) / "checkpoint-2" / "model.safetensors"
+    saved = checkpoint.stat().st_mtime_ns
     again = _fedes(tmp_path, "--rounds", "2")
     assert again["rounds"] == 2 and again["curve"] == first["curve"] and again["loss"] == first["loss"]
+    assert again["legs"] == [] and checkpoint.stat().st_mtime_ns == saved  # nothing trained, nothing saved
+
+
+def test_fedes_refuses_a_recorded_run_without_its_checkpoint(tmp_path):
+    """A JSON whose run is not finished and no checkpoint to resume (a fresh clone: tmp/ is not committed): refused,
+    the JSON kept, unless --restart, which trains from round 0 and replaces it."""
+    _fedes(tmp_path, "--rounds", "2")
+    shutil.rmtree(tmp_path / "tmp")
+    path = next(p for p in tmp_path.iterdir() if p.suffix == ".json")
+    recorded = path.read_text()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fedes.py"), "--smoke", "--runs_dir", str(tmp_path),
+           "--data", os.path.join(DATA, "mnist")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "holds no checkpoint to resume from: give --restart" in done.stderr
+    assert path.read_text() == recorded
+    restarted = _fedes(tmp_path, "--restart")
+    assert restarted["rounds"] == 4 and [(leg["from"], leg["to"]) for leg in restarted["legs"]] == [(0, 4)]
 
 
 def test_fedgd_smoke_is_first_order_full_batch(tmp_path):
@@ -185,6 +205,15 @@ def test_fedes_run_names_parse_back_to_their_arguments(argv):
     assert parse_stem("fedes_iid_nB64_s0_db_cosine") is None and parse_stem("fedes_random_nB64_s0") is None
 
 
+@pytest.mark.parametrize("name", ["fedgd_iid_nB64_s0", "fedes_iid_s0", "fedgd_iid_s0_db", "fedes_iid_nB64_s0_cosine0",
+                                  "fedes_iid_nB064_s0", "fedes_iid_nB64_s01"])
+def test_fedes_parse_stem_refuses_names_stem_never_writes(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import parse_stem
+
+    assert parse_stem(name) is None
+
+
 def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
     """``--schedule cosine --rounds 4``: a run of its own name whose steps after the first are smaller than the
     constant rate's: the first two rounds' losses are the constant run's (rounds 1 and 2 start from the same
@@ -201,7 +230,11 @@ def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
     (["--schedule", "cosine"], "--schedule cosine decays the learning rate over --rounds: give --rounds"),
     (["--n_B", "0"], "--n_B=0"), (["--rounds", "0"], "--rounds=0"), (["--eval_every", "-1"], "--eval_every=-1"),
     (["--method", "fedgd", "--split", "dirichlet"], "accepted splits for fedgd: iid, shards"),
-    (["--split", "random"], "invalid choice: 'random'"),
+    (["--split", "random"], "invalid choice: 'random'"), (["--seed", "-1"], "--seed=-1"),
+    (["--wall_minutes", "0"], "--wall_minutes=0"), (["--minutes", "-2"], "--minutes=-2.0"),
+    (["--budget_gb", "-1"], "--budget_gb=-1.0"), (["--report", "--smoke"], "--report --smoke"),
+    (["--method", "fedgd", "--n_B", "64"], "--method fedgd: each client's gradient on its whole data"),
+    (["--method", "fedgd", "--batches", "per_direction"], "accepted with fedgd: neither"),
 ])
 def test_fedes_refuses_bad_arguments_before_any_work(argv, message, capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
