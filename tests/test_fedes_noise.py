@@ -5,6 +5,7 @@ import sys
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,3 +53,19 @@ def test_noise_norm_is_the_spread_of_sampled_estimates():
     assert abs(got["shared_noise_norm"] ** 2 / exact_shared - 1) < 1e-9
     assert abs(got["grad_norm"] / float(g.norm()) - 1) < 1e-9
     assert got["descent"] < 0  # a small step along -g lowers the loss
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--probe", "0"], "--probe=0: accepted values are integers >= 1"),
+    (["--probe", "60001"], "--probe=60001: accepted values are 1 to 60,000"),
+    (["--directions", "0"], "--directions=0"), (["--lr", "0"], "--lr=0.0: accepted values are numbers > 0"),
+    (["--out", "/nonexistent/noise.jsonl"], "--out='/nonexistent/noise.jsonl': its folder does not exist"),
+    (["--checkpoint", "/nonexistent"], "--checkpoint='/nonexistent': no model.safetensors in it"),
+    (["--runs_dir", "/nonexistent"], "--run='fedes_iid_nB64_s0_db': no checkpoint"),
+])
+def test_fedes_noise_refuses_bad_arguments_before_any_work(argv, message, capsys):
+    from fedes_noise import main
+
+    with pytest.raises(SystemExit):
+        main(["--run", "fedes_iid_nB64_s0_db", "--data", "/nonexistent", *argv])
+    assert message in capsys.readouterr().err
