@@ -226,6 +226,20 @@ def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
     assert cosine["loss"][0] == constant["loss"][0] and cosine["loss"][1] != constant["loss"][1]
 
 
+def test_fedes_decaying_rate_resumes_on_the_same_trajectory(tmp_path):
+    """A cosine run stopped by its time after its first round and started again ends where the run in one go ends
+    (the scheduler's state travels in the checkpoint); a linear decay over the same rounds is another trajectory."""
+    straight = _fedes(tmp_path / "straight", "--schedule", "cosine", "--rounds", "4")
+    _fedes(tmp_path / "resumed", "--schedule", "cosine", "--rounds", "4", "--minutes", "1e-6")
+    resumed = _fedes(tmp_path / "resumed", "--schedule", "cosine", "--rounds", "4")
+    assert [(leg["from"], leg["to"]) for leg in resumed["legs"]] == [(0, 1), (1, 4)]
+    # the logged loss at round 2 averages only round 2 after the resume (the Trainer does not keep a partial
+    # logging window in a checkpoint); rounds 3-4's window and the final weights' accuracy are the same
+    assert resumed["loss"][1] == straight["loss"][1] and resumed["curve"][-1] == straight["curve"][-1]
+    linear = _fedes(tmp_path / "linear", "--schedule", "linear", "--rounds", "4")
+    assert linear["loss"][0] == straight["loss"][0] and linear["loss"][1] != straight["loss"][1]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--schedule", "cosine"], "--schedule cosine decays the learning rate over --rounds: give --rounds"),
     (["--n_B", "0"], "--n_B=0"), (["--rounds", "0"], "--rounds=0"), (["--eval_every", "-1"], "--eval_every=-1"),
