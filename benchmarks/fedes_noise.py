@@ -42,8 +42,6 @@ from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_
 
 from zo_byzantine.checks import build_federation  # noqa: E402
 
-TRAIN_EXAMPLES = 60_000
-
 
 def batch_gradient(model: MLP, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The gradient of the mean cross-entropy on ``(x, labels)``, flat, float64."""
@@ -136,18 +134,17 @@ def main(argv=None):
     for name in ("probe", "directions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)}: accepted values are integers >= 1.")
-    if args.probe > TRAIN_EXAMPLES:
-        parser.error(f"--probe={args.probe}: accepted values are 1 to {TRAIN_EXAMPLES:,} (MNIST's training set).")
+    if args.probe > CLIENTS * PER_CLIENT:
+        parser.error(f"--probe={args.probe}: accepted values are 1 to {CLIENTS * PER_CLIENT:,} (the training set).")
     if not args.lr > 0:
         parser.error(f"--lr={args.lr}: accepted values are numbers > 0.")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out={args.out!r}: its folder does not exist.")
     folder = os.path.join(args.runs_dir, "tmp", args.run)
-    if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint, "model.safetensors")):
-        parser.error(f"--checkpoint={args.checkpoint!r}: no model.safetensors in it.")
     checkpoint = args.checkpoint or last_checkpoint(folder)
     if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
-        parser.error(f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
+        parser.error(f"--checkpoint={args.checkpoint!r}: no model.safetensors in it." if args.checkpoint else
+                     f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
     run = parse_stem(args.run)
     if run is None or run["method"] != "fedes" or run["n_B"] is None or run["smoke"] \
             or run["batches"] != "per_direction":

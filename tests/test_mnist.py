@@ -121,10 +121,14 @@ def test_zo_adafl_smoke_runs_both_servers(tmp_path):
     assert all(len(curve) == 3 for curve in summary["curves"].values())
 
 
-def _fedes(runs_dir, *extra):
+def _fedes_process(runs_dir, *extra) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fedes.py"), "--smoke", "--runs_dir", str(runs_dir),
            "--data", os.path.join(DATA, "mnist"), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _fedes(runs_dir, *extra):
+    done = _fedes_process(runs_dir, *extra)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(next(p for p in runs_dir.iterdir() if p.suffix == ".json").read_text())
 
@@ -167,9 +171,7 @@ def test_fedes_refuses_a_recorded_run_without_its_checkpoint(tmp_path):
     shutil.rmtree(tmp_path / "tmp")
     path = next(p for p in tmp_path.iterdir() if p.suffix == ".json")
     recorded = path.read_text()
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fedes.py"), "--smoke", "--runs_dir", str(tmp_path),
-           "--data", os.path.join(DATA, "mnist")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = _fedes_process(tmp_path)
     assert done.returncode != 0 and "holds no checkpoint to resume from: give --restart" in done.stderr
     assert path.read_text() == recorded
     restarted = _fedes(tmp_path, "--restart")
