@@ -2,8 +2,10 @@
 perturbation of MNIST digit "4" images, learnt by 50 clients from the losses of a black-box classifier.
 
 1. The black box: a small CNN (no dropout or batch norm: the Trainer's ``train()`` mode changes nothing) trained
-   first-order on MNIST (Adam, 8 epochs, learning rate 1e-3 x 0.7 per epoch), cached under the runs folder; the
-   paper's has 99.4 % test accuracy.
+   first-order on MNIST (Adam, 8 epochs, learning rate 1e-3 x 0.7 per epoch, one thread), kept in the repository
+   (``results/zo_adafl_black_box.pt``, 98.74 % test accuracy; the paper's has 99.4 %): training it again gives
+   another box on another thread count (98.72 % on two) or possibly another CPU, so the runs attack the committed
+   one and record its weights' digest.
 2. The data: 200 training images of digit 4 (seeded). The paper distributes "|D_i| = 60 samples to each client" of
    50: 50 x 60 = 3,000 > 200, so the clients' sets overlap. We build 3,000 rows that repeat each of the 200 images 15
    times and split them IID over the 50 clients (the library's split): each client holds 60 images of the pool
@@ -29,6 +31,7 @@ Runs (one JSON each under ``benchmarks/results/zo_adafl_runs/``, finished ones s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -47,6 +50,9 @@ sys.path.insert(0, HERE)
 from _common import load_example, run_jobs  # noqa: E402
 
 POOL, CLIENTS, PER_CLIENT, DIGIT = 200, 50, 60, 4
+RUNS = os.path.join(RESULTS, "zo_adafl_runs")
+BOX, BOX_DIGEST = os.path.join(RESULTS, "zo_adafl_black_box.pt"), "bacb6e0abc6ac3ff"  # the committed black box
+SETTINGS = ("batch", "mu", "eta", "m", "K", "rounds", "server", "lr")  # what makes runs of one name alike
 
 
 class BlackBox(nn.Module):
@@ -97,8 +103,12 @@ def mnist(data_dir: str, split: str):
 
 
 def load_black_box(path: str) -> BlackBox:
+    """The black box saved at ``path`` (tensors only: ``weights_only``); a file that is not one is refused by name."""
     model = BlackBox()
-    model.load_state_dict(torch.load(path, weights_only=True))
+    try:
+        model.load_state_dict(torch.load(path, weights_only=True))
+    except Exception as error:  # unpickling, missing or mis-shaped tensors: say which file
+        raise SystemExit(f"{path!r} is not a black box of this script ({type(error).__name__}: {error})") from error
     return model.eval()
 
 
@@ -107,23 +117,38 @@ def black_box(data_dir: str, path: str, epochs: int = 8, examples: int | None = 
     and its test accuracy."""
     if not os.path.exists(path):
         train = mnist(data_dir, "train")
-        torch.manual_seed(0)
-        model = BlackBox()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(0)
-        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
-        for _ in range(epochs):
-            for idx in torch.randperm(examples or len(train), generator=g).split(64):
-                loss = nn.functional.cross_entropy(model(train.x[idx]), train.labels[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            decay.step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the kernels' reduction order depends on the threads: 98.74 % on one, 98.72 on two
+        try:
+            torch.manual_seed(0)
+            model = BlackBox()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(0)
+            decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            for _ in range(epochs):
+                for idx in torch.randperm(examples or len(train), generator=g).split(64):
+                    loss = nn.functional.cross_entropy(model(train.x[idx]), train.labels[idx])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                decay.step()
+        finally:
+            torch.set_num_threads(threads)
         torch.save(model.state_dict(), path)
     model, test = load_black_box(path), mnist(data_dir, "test")
     with torch.no_grad():
         accuracy = float((model(test.x).argmax(1) == test.labels).float().mean())
     return model, accuracy
+
+
+def digest(model: nn.Module) -> str:
+    """Which black box a run attacked: the first 16 hex digits of the SHA-256 of the model's tensors (each name, then
+    its bytes, in the state dict's order; not the SHA-256 of the saved file)."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class Rows(torch.utils.data.Dataset):
@@ -185,7 +210,7 @@ def run(name: str, settings: dict, box_path: str, data_dir: str, runs_dir: str, 
     trainer = ZOByzantineTrainer(model=model, args=args, train_dataset=rows, data_collator=collate)
     trainer.train()
     curve = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and "step" in e]
-    result = {"name": name, "seed": seed, **settings, "loss_curve": curve,
+    result = {"name": name, "seed": seed, **settings, "black_box": digest(box), "loss_curve": curve,
               **evaluate(model, pool), "seconds": time.perf_counter() - start,
               "uplink_scalars_per_client": next((e["uplink_scalars_per_client"] for e in trainer.state.log_history
                                                  if "uplink_scalars_per_client" in e), None)}
@@ -209,32 +234,73 @@ def configurations(rounds: int = 600, sweep_rounds: int = 100) -> dict[str, dict
     return out
 
 
-def report(runs_dir: str, out_dir: str, box_accuracy: float | None, plots: bool = True) -> dict:
-    runs = [json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")]
-    runs = [r for r in runs if isinstance(r, dict) and "attack_loss" in r]
-    if not runs:
+def mean_curve(curves: list[list]) -> list[tuple[int, float]]:
+    """The seeds' loss curves averaged round by round, over the rounds every seed logged."""
+    logged = [dict(map(tuple, curve)) for curve in curves]
+    return [(step, statistics.mean(c[step] for c in logged)) for step in sorted(set.intersection(*map(set, logged)))]
+
+
+def mean_std(summary: dict, key: str, scale: float = 1.0, digits: int = 2) -> str:
+    """``"mean ± std"`` of ``summary[key]`` and ``summary[key + "_std"]`` (only the mean for one seed)."""
+    spread = summary[f"{key}_std"]
+    return f"{scale * summary[key]:.{digits}f}" + ("" if spread is None else f" ± {scale * spread:.{digits}f}")
+
+
+def seconds_range(low: float, high: float) -> str:
+    """The runs' wall seconds as ``"min-max"`` (one value when they round alike): runs timed on shared cores and alone
+    differ by more than their seeds do, so a mean would describe neither."""
+    low_text, high_text = f"{low:.0f}", f"{high:.0f}"
+    return low_text if low_text == high_text else f"{low_text}-{high_text}"
+
+
+def report(runs_dir: str, out_dir: str, box_accuracy: float | None, plots: bool = True,
+           box_digest: str | None = None) -> dict:
+    """Tables, JSON and plot of the finished runs under ``runs_dir``; with ``box_digest``, runs that attacked another
+    black box (their ``black_box`` digest differs) are refused by name, runs that recorded none are counted."""
+    files = {f: json.load(open(os.path.join(runs_dir, f))) for f in sorted(os.listdir(runs_dir)) if f.endswith(".json")}
+    files = {f: r for f, r in files.items() if isinstance(r, dict) and "attack_loss" in r}
+    if not files:
         raise SystemExit(f"{runs_dir!r} holds no runs of this script.")
+    foreign_box = sorted(f for f, r in files.items() if None not in (box_digest, r.get("black_box")) and
+                         r["black_box"] != box_digest)
+    if foreign_box:
+        raise SystemExit(f"{runs_dir!r}: {foreign_box} attacked another black box than {box_digest}; move them away "
+                         "or train their runs again.")
+    unrecorded = sum(r.get("black_box") is None for r in files.values())
     by_name: dict[str, list] = {}
-    for r in runs:
+    for r in files.values():
         by_name.setdefault(r["name"], []).append(r)
-    lines = [f"Black box: test accuracy {100 * box_accuracy:.2f} %." if box_accuracy is not None else "",
-             "", "| configuration | rounds | seeds | attack loss (200 images) | attack success rate, % | distortion "
-             "| uplink scalars / client / round | s / run |", "|---|---|---|---|---|---|---|---|"]
-    summary = {}
-    for name, group in by_name.items():
-        keys = ("attack_loss", "success_rate", "distortion")
-        summary[name] = {k: statistics.mean(r[k] for r in group) for k in keys}
-        summary[name].update(rounds=group[0]["rounds"], seeds=len(group), seconds=statistics.mean(r["seconds"] for r in
-                                                                                                  group))
+    box = f" (weights' digest {box_digest})" if box_digest else ""
+    lines = [f"Black box: test accuracy {100 * box_accuracy:.2f} %{box}." if box_accuracy is not None else "",
+             f"{unrecorded} of the {len(files)} runs recorded no black-box digest: which box they attacked is not "
+             "recorded." if unrecorded else "",
+             "", "Mean ± standard deviation over the seeds (± omitted for one seed).", "",
+             "| configuration | rounds | seeds | attack loss (200 images) | attack success rate, % | distortion "
+             "| uplink scalars / client / round | s / run (seeds' range) |", "|---|---|---|---|---|---|---|---|"]
+    summary, curves = {}, {}
+    for name, group in sorted(by_name.items()):
+        differ = [key for key in SETTINGS if len({r.get(key) for r in group}) > 1]
+        if differ:
+            raise SystemExit(f"{runs_dir!r}: the runs of {name!r} differ in their {', '.join(differ)} "
+                             f"({[[r.get(key) for key in differ] for r in group]}); keep one setting per folder.")
+        summary[name] = {"rounds": group[0]["rounds"], "seeds": sorted(r["seed"] for r in group),
+                         "seconds_min": min(r["seconds"] for r in group),
+                         "seconds_max": max(r["seconds"] for r in group)}
+        for key in ("attack_loss", "success_rate", "distortion"):
+            values = [r[key] for r in group]
+            summary[name][key] = statistics.mean(values)
+            summary[name][f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
+        curves[name] = mean_curve([r["loss_curve"] for r in group])
         s = summary[name]
-        lines.append(f"| {name} | {s['rounds']} | {s['seeds']} | {s['attack_loss']:.2f} | {100 * s['success_rate']:.1f}"
-                     f" | {s['distortion']:.2f} | {group[0]['uplink_scalars_per_client']} | {s['seconds']:.0f} |")
+        lines.append(f"| {name} | {s['rounds']} | {len(group)} | {mean_std(s, 'attack_loss')} | "
+                     f"{mean_std(s, 'success_rate', 100, 1)} | {mean_std(s, 'distortion')} | "
+                     f"{group[0]['uplink_scalars_per_client']} | {seconds_range(s['seconds_min'], s['seconds_max'])} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "zo_adafl.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, "zo_adafl.json"), "w") as f:
-        json.dump({"black_box_accuracy": box_accuracy, "runs": summary,
-                   "curves": {n: g[0]["loss_curve"] for n, g in by_name.items()}}, f, indent=1)
+        json.dump({"black_box_accuracy": box_accuracy, "black_box": box_digest, "runs": summary,
+                   "curves": curves}, f, indent=1)
     print(text)
     if plots:
         import matplotlib
@@ -247,12 +313,14 @@ def report(runs_dir: str, out_dir: str, box_accuracy: float | None, plots: bool 
                   ("ZO-AdaFL, m = 50: local iterations K", lambda n: n.startswith("ZO-AdaFL") and n.endswith("m=50")),
                   ("ZO-AdaFL, K = 50: participating clients m", lambda n: n.startswith("ZO-AdaFL K=50"))]
         for ax, (title, keep) in zip(axes, panels, strict=True):
-            shown = {name: group[0] for name, group in sorted(by_name.items()) if keep(name)}
-            for name, r in shown.items():
-                ax.plot(*zip(*r["loss_curve"], strict=True), label=f"{name} ({r['rounds']} rounds)")
+            shown = [name for name in summary if keep(name)]
+            for name in shown:
+                s = summary[name]
+                ax.plot(*zip(*curves[name], strict=True),
+                        label=f"{name} ({s['rounds']} rounds, {len(s['seeds'])} seed(s))")
             if shown:  # the sweeps side by side over the rounds they all ran
-                ax.set_xlim(0, min(r["rounds"] for r in shown.values()))
-            ax.set(title=title, xlabel="communication round", ylabel="attack loss (clients' batches)")
+                ax.set_xlim(0, min(summary[name]["rounds"] for name in shown))
+            ax.set(title=title, xlabel="communication round", ylabel="attack loss (clients' batches, seeds' mean)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
@@ -267,33 +335,51 @@ def main():
     parser.add_argument("--sweep_rounds", type=int, default=100, help="Figure 2's K and m sweeps")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--only", default=None, help="run only configurations whose name starts with this")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only the configurations named (as in the table: 'FedZO K=10 m=50')")
     parser.add_argument("--data_dir", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
-    parser.add_argument("--runs_dir", default=os.path.join(RESULTS, "zo_adafl_runs"))
+    parser.add_argument("--runs_dir", default=RUNS)
+    parser.add_argument("--black_box", default=None,
+                        help=f"the black box's weights (default: the committed {os.path.relpath(BOX, ROOT)}, checked "
+                             "against its digest); another path is trained there if missing")
     parser.add_argument("--smoke", action="store_true", help="ZO-AdaFL and FedZO for 3 rounds with K = 2")
     parser.add_argument("--report", action="store_true", help="only write the table and the plot")
     args = parser.parse_args()
-    if args.smoke and args.runs_dir == os.path.join(RESULTS, "zo_adafl_runs"):
+    unknown = sorted(set(args.only or ()) - set(configurations()))
+    if unknown:
+        parser.error(f"--only: unknown configuration(s) {unknown}; accepted: {sorted(configurations())}")
+    if args.smoke and args.only:
+        parser.error("--smoke runs its two configurations (K=10 m=50): give no --only with it")
+    if args.smoke and args.black_box is not None:
+        parser.error("--smoke trains its own quick black box: give no --black_box with it")
+    if args.black_box is None and not args.smoke and not os.path.exists(BOX):
+        parser.error(f"--black_box: the committed {BOX} is missing (restore it: git checkout -- "
+                     f"{os.path.relpath(BOX, ROOT)}), or give another path to train a black box there")
+    if args.smoke and args.runs_dir == RUNS:
         args.runs_dir = tempfile.mkdtemp()
     os.makedirs(os.path.join(args.runs_dir, "tmp"), exist_ok=True)
-    box_path = os.path.join(args.runs_dir, "black_box.pt")
+    box_path = os.path.join(args.runs_dir, "black_box.pt") if args.smoke else args.black_box or BOX
     if args.smoke and not os.path.exists(box_path):
         black_box(args.data_dir, box_path, epochs=1, examples=12000)
-    _, accuracy = black_box(args.data_dir, box_path)
-    print(f"black box: test accuracy {100 * accuracy:.2f} %", flush=True)
+    box, accuracy = black_box(args.data_dir, box_path)
+    if box_path == BOX and digest(box) != BOX_DIGEST:
+        raise SystemExit(f"{BOX}: weights' digest {digest(box)}, not the committed box's {BOX_DIGEST}; restore it "
+                         f"(git checkout -- {os.path.relpath(BOX, ROOT)}) or give another --black_box")
+    print(f"black box: test accuracy {100 * accuracy:.2f} %, weights' digest {digest(box)}", flush=True)
     if not args.report:
         configs = configurations(args.rounds, args.sweep_rounds)
         if args.smoke:
             args.seeds, args.workers = [0], 1
             configs = {n: {**c, "K": 2, "log": 1, "rounds": 3} for n, c in configs.items() if n.endswith("K=10 m=50")}
         jobs = [(name, settings, box_path, args.data_dir, args.runs_dir, seed) for name, settings in configs.items()
-                if args.only is None or name.startswith(args.only) for seed in args.seeds]
+                if args.only is None or name in args.only for seed in args.seeds]
         jobs.sort(key=lambda job: -job[1]["rounds"] * job[1]["K"] * job[1]["m"])  # longest first
         start = time.perf_counter()
         run_jobs(run, jobs, args.workers)
         print(f"runs done in {(time.perf_counter() - start) / 60:.1f} min of wall time", flush=True)
-    committed = args.runs_dir == os.path.join(RESULTS, "zo_adafl_runs")
-    report(args.runs_dir, RESULTS if committed else args.runs_dir, accuracy, plots=not args.smoke)
+    committed = args.runs_dir == RUNS
+    report(args.runs_dir, RESULTS if committed else args.runs_dir, accuracy, plots=not args.smoke,
+           box_digest=digest(box))
 
 
 if __name__ == "__main__":

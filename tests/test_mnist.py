@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from helpers import load_example
 from prompt_helpers import DATA
 
@@ -106,10 +107,14 @@ def test_universal_perturbation_loss_on_a_hand_computed_example():
     assert [name for name, p in model.named_parameters() if p.requires_grad] == ["delta"]
 
 
+def _uap_process(*args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "zo_adafl_uap.py"), "--data_dir",
+           os.path.join(DATA, "mnist"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
 def test_zo_adafl_smoke_runs_both_servers(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "zo_adafl_uap.py"), "--smoke", "--runs_dir",
-           str(tmp_path), "--data_dir", os.path.join(DATA, "mnist")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = _uap_process("--smoke", "--runs_dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "zo_adafl.json").read_text())
     assert summary["black_box_accuracy"] > 0.9  # the smoke's black box: one pass over 12,000 images
@@ -119,6 +124,92 @@ def test_zo_adafl_smoke_runs_both_servers(tmp_path):
     ada, fedzo = runs["ZO-AdaFL K=10 m=50"]["distortion"], runs["FedZO K=10 m=50"]["distortion"]
     assert ada > 0 and fedzo > 0 and ada != fedzo
     assert all(len(curve) == 3 for curve in summary["curves"].values())
+    # every run records the box it attacked: the smoke's own, whose digest the report names
+    recorded = {json.loads(p.read_text())["black_box"] for p in tmp_path.glob("*-seed0.json")}
+    uap = _uap_module()
+    assert recorded == {summary["black_box"]} == {uap.digest(uap.load_black_box(str(tmp_path / "black_box.pt")))}
+    assert summary["black_box"] != uap.BOX_DIGEST
+
+
+def test_zo_adafl_refuses_bad_arguments_before_work(tmp_path):
+    """Unknown --only names and the smoke's conflicting options fail at once, naming the argument (and the accepted
+    names), before any black box is trained or run."""
+    for args, expected in ((["--only", "ZO-AdaFL K=7 m=50"], "accepted: ['FedZO K=10 m=50'"),
+                           (["--smoke", "--only", "FedZO K=10 m=50"], "--smoke runs its two configurations"),
+                           (["--smoke", "--black_box", str(tmp_path / "box.pt")], "give no --black_box")):
+        done = _uap_process("--runs_dir", str(tmp_path), *args)
+        assert done.returncode == 2 and "--" in done.stderr and expected in done.stderr, done.stderr[-1000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_committed_black_box_is_the_one_the_runs_name():
+    """The committed black box loads (tensors only) and carries the digest the script checks and the runs record."""
+    uap = _uap_module()
+    assert uap.digest(uap.load_black_box(uap.BOX)) == uap.BOX_DIGEST
+
+
+def _uap_run(name="FedZO K=10 m=50", seed=0, rounds=600, **values) -> dict:
+    """A finished run's JSON as ``run()`` writes it (the settings of ``configurations()``), with ``values`` set."""
+    settings = _uap_module().configurations()[name]
+    return {"name": name, "seed": seed, **settings, "rounds": rounds, "attack_loss": 1.0, "success_rate": 0.5,
+            "distortion": 1.0, "seconds": 1.0, "loss_curve": [[10, 2.0]], "uplink_scalars_per_client": 10, **values}
+
+
+def test_zo_adafl_report_averages_the_seeds(tmp_path):
+    """Two seeds of one configuration: the table's mean ± std and the curve's round-by-round mean (over the rounds
+    both logged), by hand; a single seed's row has no ±; runs of one name with different settings are refused."""
+    uap = _uap_module()
+
+    def write(seed, loss, success, curve, **settings):
+        run = _uap_run(seed=seed, attack_loss=loss, success_rate=success, seconds=10.0 * (seed + 1),
+                       loss_curve=curve, **settings)
+        (tmp_path / f"run-seed{seed}.json").write_text(json.dumps(run))
+
+    write(0, 16.0, 0.70, [[10, 80.0], [20, 60.0]])
+    write(1, 18.0, 0.80, [[10, 70.0], [20, 50.0], [30, 40.0]])
+    (tmp_path / "other.json").write_text(json.dumps([1, 2]))  # not a run: ignored
+    summary = uap.report(str(tmp_path), str(tmp_path), None, plots=False)["FedZO K=10 m=50"]
+    assert summary["seeds"] == [0, 1] and (summary["seconds_min"], summary["seconds_max"]) == (10.0, 20.0)
+    assert summary["attack_loss"] == 17.0 and abs(summary["attack_loss_std"] - 2 ** 0.5) < 1e-12
+    table = (tmp_path / "zo_adafl.md").read_text()
+    assert "| FedZO K=10 m=50 | 600 | 2 | 17.00 ± 1.41 | 75.0 ± 7.1 | 1.00 ± 0.00 | 10 | 10-20 |" in table
+    assert "2 of the 2 runs recorded no black-box digest" in table
+    curves = json.loads((tmp_path / "zo_adafl.json").read_text())["curves"]
+    assert curves["FedZO K=10 m=50"] == [[10, 75.0], [20, 55.0]]
+    (tmp_path / "run-seed1.json").unlink()
+    uap.report(str(tmp_path), str(tmp_path), None, plots=False)
+    assert "| FedZO K=10 m=50 | 600 | 1 | 16.00 | 70.0 | 1.00 | 10 | 10 |" in (tmp_path / "zo_adafl.md").read_text()
+    write(2, 17.0, 0.75, [[10, 75.0]], rounds=100)
+    with pytest.raises(SystemExit, match=r"differ in their rounds \(\[\[600\], \[100\]\]\)"):
+        uap.report(str(tmp_path), str(tmp_path), None, plots=False)
+    write(2, 17.0, 0.75, [[10, 75.0]], lr=0.02)
+    with pytest.raises(SystemExit, match="differ in their lr"):
+        uap.report(str(tmp_path), str(tmp_path), None, plots=False)
+
+
+def test_zo_adafl_report_refuses_another_black_box(tmp_path):
+    """A run that attacked another black box (its recorded digest differs) is refused by file name; the digest is
+    the weights' (one changed value changes it, a reloaded copy does not)."""
+    uap = _uap_module()
+    box = uap.BlackBox()
+    copy = uap.BlackBox()
+    copy.load_state_dict(box.state_dict())
+    assert uap.digest(copy) == uap.digest(box)
+    with torch.no_grad():
+        copy.head.bias[0] += 1e-6
+    assert uap.digest(copy) != uap.digest(box)
+    for seed, recorded in ((0, uap.digest(box)), (1, uap.digest(copy))):
+        (tmp_path / f"run-seed{seed}.json").write_text(json.dumps(_uap_run(seed=seed, black_box=recorded)))
+    with pytest.raises(SystemExit, match=r"\['run-seed1.json'\] attacked another black box"):
+        uap.report(str(tmp_path), str(tmp_path), None, plots=False, box_digest=uap.digest(box))
+    (tmp_path / "run-seed1.json").unlink()
+    summary = uap.report(str(tmp_path), str(tmp_path), 0.99, plots=False, box_digest=uap.digest(box))
+    assert summary["FedZO K=10 m=50"]["seeds"] == [0]
+    table = (tmp_path / "zo_adafl.md").read_text()
+    assert uap.digest(box) in table and "recorded no black-box digest" not in table
+    (tmp_path / "box.pt").write_text("not a state dict")
+    with pytest.raises(SystemExit, match="box.pt' is not a black box"):
+        uap.load_black_box(str(tmp_path / "box.pt"))
 
 
 def _fedes_process(runs_dir, *extra) -> subprocess.CompletedProcess:
