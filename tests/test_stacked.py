@@ -152,7 +152,9 @@ def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, mon
     expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     for a, b in zip(ParameterTable(model).params, ParameterTable(reference_model).params, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)  # a batched product rounds as it does
+        # a batched product rounds as it does: a loss difference's last bits (~1e-14) times 1 / (2 mu) = 500 and the
+        # local steps reach 1.1e-11 on some CPUs (a Xeon with AVX-512, 2026-11-29)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     assert passes < reference_passes
     names = ParameterTable(model).names
     assert {names[j] for j in calls} == {f"bert.embeddings.{e}_embeddings.weight" for e in ("word", "position",
