@@ -143,7 +143,8 @@ def black_box(data_dir: str, path: str, epochs: int = 8, examples: int | None = 
 
 def digest(model: nn.Module) -> str:
     """Which black box a run attacked: the first 16 hex digits of the SHA-256 of the model's tensors (each name, then
-    its bytes, in the state dict's order; not the SHA-256 of the saved file)."""
+    its bytes, in the state dict's order; not the SHA-256 of the saved file). Not ``ledger.weights_fingerprint``: that
+    one covers trainable tensors only, and the box is frozen inside the attack."""
     h = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         h.update(name.encode())
@@ -362,10 +363,11 @@ def main():
     if args.smoke and not os.path.exists(box_path):
         black_box(args.data_dir, box_path, epochs=1, examples=12000)
     box, accuracy = black_box(args.data_dir, box_path)
-    if box_path == BOX and digest(box) != BOX_DIGEST:
-        raise SystemExit(f"{BOX}: weights' digest {digest(box)}, not the committed box's {BOX_DIGEST}; restore it "
+    box_digest = digest(box)
+    if box_path == BOX and box_digest != BOX_DIGEST:
+        raise SystemExit(f"{BOX}: weights' digest {box_digest}, not the committed box's {BOX_DIGEST}; restore it "
                          f"(git checkout -- {os.path.relpath(BOX, ROOT)}) or give another --black_box")
-    print(f"black box: test accuracy {100 * accuracy:.2f} %, weights' digest {digest(box)}", flush=True)
+    print(f"black box: test accuracy {100 * accuracy:.2f} %, weights' digest {box_digest}", flush=True)
     if not args.report:
         configs = configurations(args.rounds, args.sweep_rounds)
         if args.smoke:
@@ -379,7 +381,7 @@ def main():
         print(f"runs done in {(time.perf_counter() - start) / 60:.1f} min of wall time", flush=True)
     committed = args.runs_dir == RUNS
     report(args.runs_dir, RESULTS if committed else args.runs_dir, accuracy, plots=not args.smoke,
-           box_digest=digest(box))
+           box_digest=box_digest)
 
 
 if __name__ == "__main__":
