@@ -63,6 +63,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 STARTED = time.monotonic()
 RESULTS = os.path.join(HERE, "results")
 PAPER = {64: (95.64, 95.58), 256: (94.15, 94.13), 1024: (93.76, 93.90)}  # Table I: i.i.d., non-i.i.d. (%)
+LEVELS = (85.0, 90.0, 91.0, 92.0, 93.0, 94.0, 95.0)  # test accuracies (%) whose first round the report lists
 
 
 class MLP(nn.Module):
@@ -151,16 +152,32 @@ def run_stem(args) -> str:
 
 
 class StopWhenDiverged(TrainerCallback):
-    """Ends a run whose evaluation loss is no longer finite (the weights overflowed: the trainer skips such rounds
-    and logs them, but nothing more can be learnt) and records the round in ``diverged_at``."""
+    """Ends a run that can learn nothing more and records the round in ``diverged_at``: its evaluation loss is no
+    longer finite (the weights overflowed), or every round since the previous training log was skipped (the
+    trainer skips a round whose aggregate is not finite and logs the count; weights that large can stay finite,
+    as the non-IID n_B = 1,024 run's did at an evaluation loss of 1.5e26, and then every round is skipped)."""
 
     def __init__(self):
         self.diverged_at = None
+        self.logged_at = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.logged_at = state.global_step  # a resumed run's window starts at its checkpoint
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "skipped_rounds" in logs:
+            window, self.logged_at = state.global_step - self.logged_at, state.global_step
+            if window > 0 and logs["skipped_rounds"] >= window:
+                self.stop(state, control)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if not math.isfinite(metrics["eval_loss"]):
+            self.stop(state, control)
+
+    def stop(self, state, control):
+        if self.diverged_at is None:
             self.diverged_at = state.global_step
-            control.should_training_stop = True
+        control.should_training_stop = True
 
 
 def last_checkpoint(folder: str) -> str | None:
@@ -310,10 +327,18 @@ def main(argv=None):
     return result
 
 
-def report(runs_dir: str, path: str) -> list[str]:
+def first_round(curve: list, level: float) -> int | None:
+    """The first evaluated round of ``curve`` (``(round, accuracy in [0, 1])`` pairs) whose accuracy is at least
+    ``level`` percent, or None when no evaluation reaches it."""
+    return next((step for step, accuracy in curve if 100 * accuracy >= level), None)
+
+
+def report(runs_dir: str, path: str, plots: bool = True) -> list[str]:
     """Table I's layout from the runs found (smoke runs left out): per n_B (and FedGD) and split, the best test
     accuracy of each seed, after how many rounds, the mean time per round and the devices; the paper's figure
-    beside it."""
+    beside it. Then the first round at which each run reached each of ``LEVELS`` and, with ``plots``, Fig. 1's
+    comparison (``fedes_fig1.png`` beside ``path``: test accuracy and the clients' training loss against rounds of
+    the i.i.d. runs at the constant rate, FedES and FedGD)."""
     runs: dict[tuple, list[dict]] = {}
     for name in sorted(os.listdir(runs_dir)):
         if name.endswith(".json") and not name.startswith("smoke_"):
@@ -353,17 +378,54 @@ def report(runs_dir: str, path: str) -> list[str]:
         if any(c != "not run" for c in cells) or kind == first:
             lines.append(f"| FedGD | {inputs} | (all) | {rate} | {PER_CLIENT} | (gradient) | | {cells[0]} | | "
                          f"{cells[1]} | {cells[2]} |")
+    named = {stem(method, split, n_b or 0, r["seed"], inputs=inputs, batches=batches, schedule=schedule,
+                  rounds=length): r
+             for (method, split, n_b, inputs, batches, schedule, length), group in runs.items() for r in group}
+    lines += ["", "First evaluated round with a test accuracy at or above each level (-: not within the rounds run; "
+              "a round is known to the run's evaluation interval):", "",
+              "| run | rounds run | " + " | ".join(f"{level:g} %" for level in LEVELS) + " |",
+              "|---|---|" + "---|" * len(LEVELS)]
+    for name, r in named.items():
+        found = [first_round(r["curve"], level) for level in LEVELS]
+        lines.append(f"| {name} | {r['rounds']} | " + " | ".join("-" if f is None else str(f) for f in found) + " |")
     lines += ["", "Test accuracy (%) at every evaluation (round: accuracy):", ""]
-    for (method, split, n_b, inputs, batches, schedule, length), group in runs.items():
-        for r in group:
-            name = stem(method, split, n_b or 0, r["seed"], inputs=inputs, batches=batches, schedule=schedule,
-                        rounds=length)
-            lines.append(f"- {name}: " + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
+    for name, r in named.items():
+        lines.append(f"- {name}: " + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
         f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
                           + lines) + "\n")
     print("\n".join(lines))
+    if plots:
+        plot_fig1(named, os.path.join(os.path.dirname(path), "fedes_fig1.png"))
     return lines
+
+
+def plot_fig1(named: dict, path: str) -> None:
+    """Fig. 1's comparison: the i.i.d. runs at the paper's constant rate (FedES per n_B and batches; FedGD), test
+    accuracy and the clients' training loss against communication rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {name: r for name, r in named.items()
+             if r["split"] == "iid" and r.get("schedule", "constant") == "constant"
+             and r.get("inputs", "standardized") == "standardized"}
+    fig, (accuracy, loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in shown.items():
+        accuracy.plot(*zip(*[(step, 100 * a) for step, a in r["curve"]], strict=True), label=name)
+        if r["loss"]:
+            loss.plot(*zip(*r["loss"], strict=True), label=name)
+    accuracy.set(xlabel="communication round", ylabel="test accuracy (%)", ylim=(70, 100),
+                 title="FedES and FedGD on MNIST, i.i.d., learning rate 0.01")
+    loss.set(xlabel="communication round", ylabel="training loss (logged)", yscale="log",
+             title="training loss reported by the clients")
+    for ax in (accuracy, loss):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ of a random step of the noise's norm, ``(L(w + e) + L(w - e)) / 2 - L(w)`` with 
 sqrt(E ||g_hat - g||^2)`` (the noise part of ``g_hat`` is such a vector: a sum of Gaussian directions), averaged over
 ``--directions`` draws. A ratio above 1 says a step's noise costs more loss than its mean gains.
 
+The noise also moves the weights: a random walk of step ``lr ||g_hat - g||`` grows ``||w||`` (``random_walk``,
+``--walk``), and in a ReLU network larger weights mean larger gradients and so more noise.
+
     python benchmarks/fedes_noise.py --run fedes_iid_nB256_s0_db
+    python benchmarks/fedes_noise.py --run fedes_dirichlet_nB1024_s0_db --walk results/fedes_noise.jsonl
 """
 
 from __future__ import annotations
@@ -108,13 +112,49 @@ def measure(model: MLP, federation, x, labels, n_b: int, nu: int, lr: float, pro
     cost_shared, cost_shared_se = noise_cost(noise2_shared)
     torch.nn.utils.vector_to_parameters(w.float(), model.parameters())
     return {
-        "parameters": n, "loss": base, "grad_norm": float(g.norm()),
+        "parameters": n, "weight_norm": float(w.norm()), "loss": base, "grad_norm": float(g.norm()),
         "client_grad_norms": client_norms, "batch_grad_rms": batch_rms, "rho": rho.tolist(),
         "noise_norm": noise2 ** 0.5, "noise_to_signal": noise2 ** 0.5 / float(g.norm()),
         "descent": descent, "noise_cost": cost, "noise_cost_se": cost_se, "ratio": cost / -descent,
         "shared_noise_norm": noise2_shared ** 0.5, "shared_noise_cost": cost_shared,
         "shared_noise_cost_se": cost_shared_se, "shared_ratio": cost_shared / -descent,
     }
+
+
+def random_walk(initial_norm: float, noise: dict[int, float], lr: float, rounds: list[int]) -> dict[int, float]:
+    """The weight norm that the estimate's noise alone predicts at each of ``rounds``. A round's noise is a sum of
+    fresh Gaussian directions, uncorrelated with ``w``, so (the mean steps left out)
+
+        E ||w_t||^2 = ||w_0||^2 + lr^2 sum_{s < t} E ||g_hat_s - g_s||^2,
+
+    with ``noise`` the measured ``sqrt(E ||g_hat_s - g_s||^2)`` by round, interpolated linearly between the
+    measured rounds and held at the nearest one outside them."""
+    measured = sorted(noise)
+    per_round = np.interp(np.arange(max(rounds)), measured, [noise[s] for s in measured]) ** 2
+    squares = initial_norm ** 2 + lr ** 2 * np.concatenate([[0.0], np.cumsum(per_round)])
+    return {t: float(np.sqrt(squares[t])) for t in rounds}
+
+
+def walk(path: str, run: str, seed: int, n_b: int, lr: float) -> list[str]:
+    """``random_walk`` against the weight norms measured at ``run``'s checkpoints (the lines of ``path`` for that
+    run, its own n_B and ``lr``), from the run's seeded initial weights: one line per checkpoint."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if (record["run"], record["n_B"], record["lr"]) == (run, n_b, lr) and "weight_norm" in record:
+                lines.append(record)
+    if not lines:
+        raise SystemExit(f"--walk={path!r}: no measurement of {run} at n_B {n_b} and lr {lr} with a weight norm.")
+    at = {int(r["checkpoint"].removeprefix("checkpoint-")): r for r in lines}
+    torch.manual_seed(seed)  # fedes.run's initial model
+    start = float(torch.nn.utils.parameters_to_vector(MLP().parameters()).detach().norm())
+    predicted = random_walk(start, {t: r["noise_norm"] for t, r in at.items()}, lr, sorted(at))
+    rows = [f"round 0: weight norm {start:.2f}"] + [
+        f"round {t}: weight norm {at[t]['weight_norm']:.2f}, predicted by the noise alone {predicted[t]:.2f} "
+        f"(noise norm {at[t]['noise_norm']:.0f}, ratio {at[t]['ratio']:.2f})" for t in sorted(at)]
+    print("\n".join(rows))
+    return rows
 
 
 def main(argv=None):
@@ -130,6 +170,9 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
+    parser.add_argument("--walk", default=None, metavar="JSONL",
+                        help="measure nothing: compare the weight norms recorded in JSONL for --run with the "
+                        "growth its noise alone predicts (random_walk)")
     args = parser.parse_args(argv)
     for name in ("probe", "directions"):
         if getattr(args, name) < 1:
@@ -140,11 +183,6 @@ def main(argv=None):
         parser.error(f"--lr={args.lr}: accepted values are numbers > 0.")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out={args.out!r}: its folder does not exist.")
-    folder = os.path.join(args.runs_dir, "tmp", args.run)
-    checkpoint = args.checkpoint or last_checkpoint(folder)
-    if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
-        parser.error(f"--checkpoint={args.checkpoint!r}: no model.safetensors in it." if args.checkpoint else
-                     f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
     run = parse_stem(args.run)
     if run is None or run["method"] != "fedes" or run["n_B"] is None or run["smoke"] \
             or run["batches"] != "per_direction":
@@ -154,6 +192,15 @@ def main(argv=None):
     n_b = run["n_B"] if args.n_B is None else args.n_B
     if n_b < 1:
         parser.error(f"--n_B={n_b}: accepted values are integers >= 1.")
+    if args.walk is not None:
+        if not os.path.isfile(args.walk):
+            parser.error(f"--walk={args.walk!r}: no such file.")
+        return walk(args.walk, args.run, seed, n_b, args.lr)
+    folder = os.path.join(args.runs_dir, "tmp", args.run)
+    checkpoint = args.checkpoint or last_checkpoint(folder)
+    if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
+        parser.error(f"--checkpoint={args.checkpoint!r}: no model.safetensors in it." if args.checkpoint else
+                     f"--run={args.run!r}: no checkpoint with model.safetensors under {folder}.")
     nu = batches_per_client(n_b)
     mnist = load_example("run_mnist_fed")
     train = mnist.MNIST(args.data, "train", not unit)

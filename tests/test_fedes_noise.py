@@ -1,5 +1,6 @@
 """benchmarks/fedes_noise.py: FedES's noise formula against Monte-Carlo draws of the estimate itself."""
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from fedes import MLP  # noqa: E402
-from fedes_noise import batch_gradient, client_batches, measure  # noqa: E402
+from fedes_noise import batch_gradient, client_batches, measure, random_walk, walk  # noqa: E402
 
 
 def test_noise_norm_is_the_spread_of_sampled_estimates():
@@ -62,6 +63,7 @@ def test_noise_norm_is_the_spread_of_sampled_estimates():
     (["--out", "/nonexistent/noise.jsonl"], "--out='/nonexistent/noise.jsonl': its folder does not exist"),
     (["--checkpoint", "/nonexistent"], "--checkpoint='/nonexistent': no model.safetensors in it"),
     (["--runs_dir", "/nonexistent"], "--run='fedes_iid_nB64_s0_db': no checkpoint"),
+    (["--walk", "/nonexistent.jsonl"], "--walk='/nonexistent.jsonl': no such file"),
 ])
 def test_fedes_noise_refuses_bad_arguments_before_any_work(argv, message, capsys):
     from fedes_noise import main
@@ -69,3 +71,31 @@ def test_fedes_noise_refuses_bad_arguments_before_any_work(argv, message, capsys
     with pytest.raises(SystemExit):
         main(["--run", "fedes_iid_nB64_s0_db", "--data", "/nonexistent", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_random_walk_adds_the_noise_of_every_round_before_t():
+    """Hand-computed: ||w_0|| = 3, noise 100 at round 0 and 300 at round 2 (interpolated: 200 at round 1, held at
+    300 after 2), lr 0.01: ||w_t||^2 = 9 + 1e-4 (1e4 + 4e4 + 9e4 + 9e4) at t = 4, the rounds before t only."""
+    got = random_walk(3.0, {0: 100.0, 2: 300.0}, 0.01, [1, 2, 4])
+    assert got == pytest.approx({1: 10 ** 0.5, 2: 14 ** 0.5, 4: 32 ** 0.5}, rel=1e-12)
+
+
+def test_walk_reads_one_runs_measurements_and_starts_from_its_seeded_weights(tmp_path, capsys):
+    """``--walk``: only the run's lines at its n_B and lr count; round 0 is fedes.run's seeded MLP; with no noise
+    the prediction stays at that norm; a file without such a line is refused by name."""
+    torch.manual_seed(2)
+    start = float(torch.nn.utils.parameters_to_vector(MLP().parameters()).detach().norm())
+    run = "fedes_dirichlet_nB1024_s2_db"
+    lines = [{"run": run, "checkpoint": "checkpoint-10", "n_B": 1024, "lr": 0.01, "weight_norm": 40.0,
+              "noise_norm": 0.0, "ratio": 0.5},
+             {"run": run, "checkpoint": "checkpoint-20", "n_B": 64, "lr": 0.01, "weight_norm": 1.0,
+              "noise_norm": 9e9, "ratio": 9.0},  # another n_B: left out
+             {"run": "fedes_iid_nB64_s0_db", "checkpoint": "checkpoint-30", "n_B": 1024, "lr": 0.01,
+              "weight_norm": 1.0, "noise_norm": 9e9, "ratio": 9.0}]  # another run: left out
+    path = tmp_path / "noise.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = walk(str(path), run, 2, 1024, 0.01)
+    assert rows == [f"round 0: weight norm {start:.2f}",
+                    f"round 10: weight norm 40.00, predicted by the noise alone {start:.2f} (noise norm 0, ratio 0.50)"]
+    with pytest.raises(SystemExit, match="no measurement of fedes_dirichlet_nB1024_s2_db at n_B 256"):
+        walk(str(path), run, 2, 256, 0.01)

@@ -350,3 +350,70 @@ def test_fedes_refuses_bad_arguments_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["--data", "/nonexistent", *argv])
     assert message in capsys.readouterr().err
+
+
+def _fedes_record(runs_dir, method, n_b, curve, loss):
+    """A finished run's JSON as ``fedes.py`` writes it, with a hand-made curve."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import stem
+
+    rounds = curve[-1][0]
+    record = {"method": method, "split": "iid", "n_B": n_b, "seed": 0, "inputs": "standardized",
+              "batches": "per_direction" if method == "fedes" else None, "schedule": "constant",
+              "schedule_rounds": None, "diverged_at": None, "device": "cpu", "max": max(a for _, a in curve),
+              "rounds": rounds, "seconds": 2.0 * rounds, "legs": [{"device": "cpu", "from": 0, "to": rounds,
+                                                                    "seconds": 2.0 * rounds}],
+              "curve": curve, "loss": loss}
+    name = stem(method, "iid", n_b or 0, 0, batches=record["batches"] or "one")
+    (runs_dir / f"{name}.json").write_text(json.dumps(record))
+    return name
+
+
+def test_fedes_report_lists_the_first_round_at_each_accuracy_and_draws_fig1(tmp_path):
+    """The rounds-to-accuracy table against hand-read curves: the first evaluation at or above each level (an
+    exact hit counts), '-' for a level never reached; Fig. 1's plot is written beside the table."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import LEVELS, first_round, report
+
+    curve = [(0, 0.1), (100, 0.85), (200, 0.8999), (300, 0.91), (400, 0.905), (500, 0.93)]
+    assert [first_round(curve, level) for level in LEVELS] == [100, 300, 300, 500, 500, None, None]
+    assert first_round([], 85.0) is None
+    fedes = _fedes_record(tmp_path, "fedes", 64, curve, [(100, 0.5), (500, 0.3)])
+    fedgd = _fedes_record(tmp_path, "fedgd", None, [(0, 0.1), (50, 0.96)], [(50, 0.2)])
+    pytest.importorskip("matplotlib")
+    lines = report(str(tmp_path), str(tmp_path / "fedes.md"))
+    assert f"| {fedes} | 500 | 100 | 300 | 300 | 500 | 500 | - | - |" in lines
+    assert f"| {fedgd} | 50 | 50 | 50 | 50 | 50 | 50 | 50 | 50 |" in lines
+    assert (tmp_path / "fedes_fig1.png").stat().st_size > 0
+    assert "| FedES | standardized | per_direction | 0.01 | 64 | 94 | 95.64 | 93.00 (500 rounds, 2.00 s/round, cpu)" \
+        in (tmp_path / "fedes.md").read_text()
+
+
+def test_fedes_stops_a_run_whose_rounds_are_all_skipped_or_whose_loss_overflowed():
+    """``StopWhenDiverged``: a log window with every round skipped, or a non-finite evaluation loss, stops the run
+    at that round; a window with some applied round does not; a resumed run's first window starts at its
+    checkpoint."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fedes import StopWhenDiverged
+
+    def step(callback, state, **logs):
+        control = SimpleNamespace(should_training_stop=False)
+        if "eval_loss" in logs:
+            callback.on_evaluate(None, state, control, metrics=logs)
+        else:
+            callback.on_log(None, state, control, logs=logs)
+        return control.should_training_stop
+
+    callback, state = StopWhenDiverged(), SimpleNamespace(global_step=90)
+    callback.on_train_begin(None, state, None)  # resumed at round 90
+    state.global_step = 100
+    assert not step(callback, state, loss=2.0, skipped_rounds=9)  # rounds 91-100: one applied
+    assert not step(callback, state, eval_loss=1.5e26)  # large but finite
+    state.global_step = 110
+    assert step(callback, state, loss=1e26, skipped_rounds=10) and callback.diverged_at == 110
+    assert not step(StopWhenDiverged(), state, loss=2.0, skipped_rounds=100)  # window 0-110: 10 applied
+    fresh = StopWhenDiverged()
+    assert step(fresh, state, eval_loss=float("inf")) and fresh.diverged_at == 110
+    assert step(fresh, SimpleNamespace(global_step=120), eval_loss=float("nan")) and fresh.diverged_at == 110
