@@ -24,7 +24,7 @@ The noise also moves the weights: a random walk of step ``lr ||g_hat - g||`` gro
 ``--walk``), and in a ReLU network larger weights mean larger gradients and so more noise.
 
     python benchmarks/fedes_noise.py --run fedes_iid_nB256_s0_db
-    python benchmarks/fedes_noise.py --run fedes_dirichlet_nB1024_s0_db --walk results/fedes_noise.jsonl
+    python benchmarks/fedes_noise.py --run fedes_dirichlet_nB1024_s0_db --walk benchmarks/results/fedes_noise.jsonl
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _common import load_example  # noqa: E402
-from fedes import CLIENTS, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint, parse_stem  # noqa: E402
+from fedes import CLIENTS, LEARNING_RATE, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint, parse_stem  # noqa: E402
 
 from zo_byzantine.checks import build_federation  # noqa: E402
 
@@ -137,19 +137,28 @@ def random_walk(initial_norm: float, noise: dict[int, float], lr: float, rounds:
 
 def walk(path: str, run: str, seed: int, n_b: int, lr: float) -> list[str]:
     """``random_walk`` against the weight norms measured at ``run``'s checkpoints (the lines of ``path`` for that
-    run, its own n_B and ``lr``), from the run's seeded initial weights: one line per checkpoint."""
-    lines = []
+    run and its own n_B, measured at ``lr``: the rate of the ratio shown), from the run's seeded initial weights, the
+    walk at the run's own constant rate ``LEARNING_RATE``: one line per checkpoint. A checkpoint measured twice, or a
+    line whose checkpoint is not ``checkpoint-<round>``, is refused."""
+    at: dict[int, dict] = {}
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             record = json.loads(line)
-            if (record["run"], record["n_B"], record["lr"]) == (run, n_b, lr) and "weight_norm" in record:
-                lines.append(record)
-    if not lines:
+            if (record["run"], record["n_B"], record["lr"]) != (run, n_b, lr) or "weight_norm" not in record:
+                continue
+            step = record["checkpoint"].removeprefix("checkpoint-")
+            if not step.isdigit():
+                raise SystemExit(f"--walk={path!r} line {number}: checkpoint {record['checkpoint']!r} is not "
+                                 "checkpoint-<round>.")
+            if int(step) in at:
+                raise SystemExit(f"--walk={path!r} line {number}: {record['checkpoint']} of {run} at n_B {n_b} "
+                                 f"and lr {lr} is measured twice.")
+            at[int(step)] = record
+    if not at:
         raise SystemExit(f"--walk={path!r}: no measurement of {run} at n_B {n_b} and lr {lr} with a weight norm.")
-    at = {int(r["checkpoint"].removeprefix("checkpoint-")): r for r in lines}
     torch.manual_seed(seed)  # fedes.run's initial model
     start = float(torch.nn.utils.parameters_to_vector(MLP().parameters()).detach().norm())
-    predicted = random_walk(start, {t: r["noise_norm"] for t, r in at.items()}, lr, sorted(at))
+    predicted = random_walk(start, {t: r["noise_norm"] for t, r in at.items()}, LEARNING_RATE, sorted(at))
     rows = [f"round 0: weight norm {start:.2f}"] + [
         f"round {t}: weight norm {at[t]['weight_norm']:.2f}, predicted by the noise alone {predicted[t]:.2f} "
         f"(noise norm {at[t]['noise_norm']:.0f}, ratio {at[t]['ratio']:.2f})" for t in sorted(at)]
@@ -171,8 +180,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
     parser.add_argument("--walk", default=None, metavar="JSONL",
-                        help="measure nothing: compare the weight norms recorded in JSONL for --run with the "
-                        "growth its noise alone predicts (random_walk)")
+                        help="measure nothing: compare the weight norms recorded in JSONL for --run (at --n_B, ratios "
+                        "at --lr) with the growth its noise alone predicts at the run's rate (random_walk)")
     args = parser.parse_args(argv)
     for name in ("probe", "directions"):
         if getattr(args, name) < 1:
@@ -195,6 +204,13 @@ def main(argv=None):
     if args.walk is not None:
         if not os.path.isfile(args.walk):
             parser.error(f"--walk={args.walk!r}: no such file.")
+        if run["schedule"] != "constant":
+            parser.error(f"--walk with --run={args.run!r}: the walk assumes the constant rate; accepted runs are "
+                         "those without a _<schedule><rounds> suffix.")
+        for name in ("probe", "directions", "checkpoint", "out", "runs_dir", "data"):
+            if getattr(args, name) != parser.get_default(name):
+                parser.error(f"--{name} with --walk: --walk measures nothing and reads only --walk, --run, --n_B "
+                             "and --lr.")
         return walk(args.walk, args.run, seed, n_b, args.lr)
     folder = os.path.join(args.runs_dir, "tmp", args.run)
     checkpoint = args.checkpoint or last_checkpoint(folder)

@@ -64,6 +64,8 @@ def test_noise_norm_is_the_spread_of_sampled_estimates():
     (["--checkpoint", "/nonexistent"], "--checkpoint='/nonexistent': no model.safetensors in it"),
     (["--runs_dir", "/nonexistent"], "--run='fedes_iid_nB64_s0_db': no checkpoint"),
     (["--walk", "/nonexistent.jsonl"], "--walk='/nonexistent.jsonl': no such file"),
+    (["--walk", __file__, "--out", "/tmp/noise.jsonl"], "--out with --walk: --walk measures nothing"),
+    (["--walk", __file__, "--probe", "100"], "--probe with --walk"),
 ])
 def test_fedes_noise_refuses_bad_arguments_before_any_work(argv, message, capsys):
     from fedes_noise import main
@@ -78,24 +80,49 @@ def test_random_walk_adds_the_noise_of_every_round_before_t():
     300 after 2), lr 0.01: ||w_t||^2 = 9 + 1e-4 (1e4 + 4e4 + 9e4 + 9e4) at t = 4, the rounds before t only."""
     got = random_walk(3.0, {0: 100.0, 2: 300.0}, 0.01, [1, 2, 4])
     assert got == pytest.approx({1: 10 ** 0.5, 2: 14 ** 0.5, 4: 32 ** 0.5}, rel=1e-12)
+    # before the first measured round (as a run's first checkpoint at round 10): held at its value, 100 each round
+    assert random_walk(3.0, {5: 100.0, 9: 500.0}, 0.01, [3]) == pytest.approx({3: 12 ** 0.5}, rel=1e-12)
+
+
+def test_walk_refuses_a_run_with_a_decaying_rate(capsys):
+    from fedes_noise import main
+
+    with pytest.raises(SystemExit):
+        main(["--run", "fedes_dirichlet_nB256_s0_db_cosine1200", "--walk", __file__])
+    assert "the walk assumes the constant rate" in capsys.readouterr().err
 
 
 def test_walk_reads_one_runs_measurements_and_starts_from_its_seeded_weights(tmp_path, capsys):
-    """``--walk``: only the run's lines at its n_B and lr count; round 0 is fedes.run's seeded MLP; with no noise
-    the prediction stays at that norm; a file without such a line is refused by name."""
+    """``--walk``: only the run's lines at its n_B and the asked lr, with a weight norm, count; round 0 is
+    fedes.run's seeded MLP; the walk steps at the run's rate (0.01) whatever lr the ratios were measured at; a file
+    without such a line, a checkpoint measured twice and a checkpoint that is not checkpoint-<round> are refused."""
     torch.manual_seed(2)
     start = float(torch.nn.utils.parameters_to_vector(MLP().parameters()).detach().norm())
     run = "fedes_dirichlet_nB1024_s2_db"
-    lines = [{"run": run, "checkpoint": "checkpoint-10", "n_B": 1024, "lr": 0.01, "weight_norm": 40.0,
-              "noise_norm": 0.0, "ratio": 0.5},
-             {"run": run, "checkpoint": "checkpoint-20", "n_B": 64, "lr": 0.01, "weight_norm": 1.0,
+    lines = [{"run": run, "checkpoint": "checkpoint-10", "n_B": 1024, "lr": 0.005, "weight_norm": 40.0,
+              "noise_norm": 100.0, "ratio": 0.5},
+             {"run": run, "checkpoint": "checkpoint-10", "n_B": 1024, "lr": 0.01, "weight_norm": 40.0,
+              "noise_norm": 7e9, "ratio": 8.0},  # another lr: left out
+             {"run": run, "checkpoint": "checkpoint-15", "n_B": 1024, "lr": 0.005, "noise_norm": 7e9,
+              "ratio": 8.0},  # no weight norm: left out
+             {"run": run, "checkpoint": "checkpoint-20", "n_B": 64, "lr": 0.005, "weight_norm": 1.0,
               "noise_norm": 9e9, "ratio": 9.0},  # another n_B: left out
-             {"run": "fedes_iid_nB64_s0_db", "checkpoint": "checkpoint-30", "n_B": 1024, "lr": 0.01,
+             {"run": "fedes_iid_nB64_s0_db", "checkpoint": "checkpoint-30", "n_B": 1024, "lr": 0.005,
               "weight_norm": 1.0, "noise_norm": 9e9, "ratio": 9.0}]  # another run: left out
     path = tmp_path / "noise.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    rows = walk(str(path), run, 2, 1024, 0.01)
+    rows = walk(str(path), run, 2, 1024, 0.005)
+    walked = (start ** 2 + 10 * (0.01 * 100.0) ** 2) ** 0.5  # 10 rounds of noise 100 at the run's rate 0.01
     assert rows == [f"round 0: weight norm {start:.2f}",
-                    f"round 10: weight norm 40.00, predicted by the noise alone {start:.2f} (noise norm 0, ratio 0.50)"]
+                    f"round 10: weight norm 40.00, predicted by the noise alone {walked:.2f} (noise norm 100, "
+                    "ratio 0.50)"]
     with pytest.raises(SystemExit, match="no measurement of fedes_dirichlet_nB1024_s2_db at n_B 256"):
-        walk(str(path), run, 2, 256, 0.01)
+        walk(str(path), run, 2, 256, 0.005)
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(json.dumps(line) + "\n" for line in [lines[0], lines[0]]))
+    with pytest.raises(SystemExit, match="line 2: checkpoint-10 of fedes_dirichlet_nB1024_s2_db .* measured twice"):
+        walk(str(twice), run, 2, 1024, 0.005)
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({**lines[0], "checkpoint": ""}) + "\n")
+    with pytest.raises(SystemExit, match="line 1: checkpoint '' is not checkpoint-<round>"):
+        walk(str(odd), run, 2, 1024, 0.005)

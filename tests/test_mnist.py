@@ -380,13 +380,15 @@ def test_fedes_report_lists_the_first_round_at_each_accuracy_and_draws_fig1(tmp_
     assert first_round([], 85.0) is None
     fedes = _fedes_record(tmp_path, "fedes", 64, curve, [(100, 0.5), (500, 0.3)])
     fedgd = _fedes_record(tmp_path, "fedgd", None, [(0, 0.1), (50, 0.96)], [(50, 0.2)])
-    pytest.importorskip("matplotlib")
-    lines = report(str(tmp_path), str(tmp_path / "fedes.md"))
+    lines = report(str(tmp_path), str(tmp_path / "fedes.md"), plots=False)
     assert f"| {fedes} | 500 | 100 | 300 | 300 | 500 | 500 | - | - |" in lines
     assert f"| {fedgd} | 50 | 50 | 50 | 50 | 50 | 50 | 50 | 50 |" in lines
-    assert (tmp_path / "fedes_fig1.png").stat().st_size > 0
+    assert not (tmp_path / "fedes_fig1.png").exists()
     assert "| FedES | standardized | per_direction | 0.01 | 64 | 94 | 95.64 | 93.00 (500 rounds, 2.00 s/round, cpu)" \
         in (tmp_path / "fedes.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert report(str(tmp_path), str(tmp_path / "fedes.md")) == lines
+    assert (tmp_path / "fedes_fig1.png").stat().st_size > 0
 
 
 def test_fedes_stops_a_run_whose_rounds_are_all_skipped_or_whose_loss_overflowed():
@@ -410,6 +412,10 @@ def test_fedes_stops_a_run_whose_rounds_are_all_skipped_or_whose_loss_overflowed
     callback.on_train_begin(None, state, None)  # resumed at round 90
     state.global_step = 100
     assert not step(callback, state, loss=2.0, skipped_rounds=9)  # rounds 91-100: one applied
+    resumed = StopWhenDiverged()
+    resumed.on_train_begin(None, SimpleNamespace(global_step=90), None)
+    assert step(resumed, state, loss=1e26, skipped_rounds=10)  # rounds 91-100 all skipped: the window is 10, not 100
+    assert resumed.diverged_at == 100
     assert not step(callback, state, eval_loss=1.5e26)  # large but finite
     state.global_step = 110
     assert step(callback, state, loss=1e26, skipped_rounds=10) and callback.diverged_at == 110
