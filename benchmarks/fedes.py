@@ -82,6 +82,12 @@ class MLP(nn.Module):
         return {"logits": logits, "loss": None if labels is None else nn.functional.cross_entropy(logits, labels)}
 
 
+def initial_model(seed: int) -> MLP:
+    """A run's initial weights: PyTorch's default initialisation under ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return MLP()
+
+
 def batches_per_client(n_b: int, per_client: int = PER_CLIENT) -> int:
     """B_k = ceil(n_k / n_B): 94, 24, 6 at n_B = 64, 256, 1024 (the paper's "# Data" column)."""
     return math.ceil(per_client / n_b)
@@ -209,8 +215,7 @@ def run(args, previous: dict | None) -> dict:
     folder = os.path.join(args.runs_dir, "tmp", run_stem(args))
     zo = arguments(folder, args.method, args.split, args.n_B, args.seed, args.rounds, args.eval_every,
                    args.budget_gb, per_client, args.batches == "per_direction", args.schedule)
-    torch.manual_seed(args.seed)
-    trainer = ZOByzantineTrainer(model=MLP(), args=zo, train_dataset=train, eval_dataset=test,
+    trainer = ZOByzantineTrainer(model=initial_model(args.seed), args=zo, train_dataset=train, eval_dataset=test,
                                  data_collator=mnist.collate, compute_metrics=compute_metrics_fn(["accuracy"]),
                                  callbacks=[progress, diverged := StopWhenDiverged()])
     start = trainer.evaluate()["eval_accuracy"]  # the seeded initial model (train() starts a history without it)

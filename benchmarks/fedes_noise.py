@@ -42,7 +42,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _common import load_example  # noqa: E402
-from fedes import CLIENTS, LEARNING_RATE, MLP, PER_CLIENT, arguments, batches_per_client, last_checkpoint, parse_stem  # noqa: E402
+from fedes import (  # noqa: E402
+    CLIENTS,
+    LEARNING_RATE,
+    MLP,
+    PER_CLIENT,
+    arguments,
+    batches_per_client,
+    initial_model,
+    last_checkpoint,
+    parse_stem,
+)
 
 from zo_byzantine.checks import build_federation  # noqa: E402
 
@@ -156,8 +166,7 @@ def walk(path: str, run: str, seed: int, n_b: int, lr: float) -> list[str]:
             at[int(step)] = record
     if not at:
         raise SystemExit(f"--walk={path!r}: no measurement of {run} at n_B {n_b} and lr {lr} with a weight norm.")
-    torch.manual_seed(seed)  # fedes.run's initial model
-    start = float(torch.nn.utils.parameters_to_vector(MLP().parameters()).detach().norm())
+    start = float(torch.nn.utils.parameters_to_vector(initial_model(seed).parameters()).detach().norm())
     predicted = random_walk(start, {t: r["noise_norm"] for t, r in at.items()}, LEARNING_RATE, sorted(at))
     rows = [f"round 0: weight norm {start:.2f}"] + [
         f"round {t}: weight norm {at[t]['weight_norm']:.2f}, predicted by the noise alone {predicted[t]:.2f} "
@@ -176,7 +185,7 @@ def main(argv=None):
     parser.add_argument("--directions", type=int, default=8, help="random noise steps averaged")
     parser.add_argument("--n_B", type=int, default=None,
                         help="measure with this batch size (B_k = ceil(6,000 / n_B) directions) instead of the run's")
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="the rate of the step measured")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
     parser.add_argument("--walk", default=None, metavar="JSONL",
