@@ -10,6 +10,11 @@
    ``--eval_every`` rounds, with the training seconds spent so far.
 
     python benchmarks/encoder.py --task sst2 --attack none --minutes 6 --out sst2_none.json   # on a GPU
+
+``--checkpoint_dir D`` keeps a checkpoint there at every evaluation and when the time is up; started again with the
+same arguments, the run resumes from the newest one (the trainer's resume: the same trajectory) and ``--out`` gets
+the whole curve, the earlier legs' from the ``--out`` it wrote before. The rounds' forwards are grouped by length
+(``zo_group_by_length``; ``--no-group_by_length``: padded to the round's longest sentence).
     python benchmarks/encoder.py --smoke                                                       # CI smoke
 
 References (``results/real_model.md``, centralised, first-order): full fine-tuning 83.4 (SST-2) and 96.8 (TREC);
@@ -19,6 +24,7 @@ the zeroth-order head on frozen features 78.1 and 88.5 without attack.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -34,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _common import Progress  # noqa: E402
+from fedes import last_checkpoint  # noqa: E402
 from real_model import PER_CLASS, ROOT, load, load_minilm, max_length, zo_arguments, zo_run  # noqa: E402
 
 from zo_byzantine import ZOByzantineTrainer  # noqa: E402
@@ -97,6 +104,21 @@ def tokenized(tokenizer, examples: list[dict], length: int) -> list[dict]:
     return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
 
 
+def previous_legs(path: str | None, began: int) -> tuple[list, list]:
+    """The legs and curve points up to round ``began`` of the result JSON ``path`` wrote by earlier legs."""
+    if not began or path is None or not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        earlier = json.load(f)
+    legs = earlier.get("legs") or [{"device": earlier["device"], "from": 0, "to": earlier["rounds"],
+                                    "seconds": earlier["seconds"]}]
+    legs = [leg for leg in legs if leg["to"] <= began]
+    if not legs or legs[-1]["to"] != began:
+        raise ValueError(f"--out: {path} records legs up to round {legs[-1]['to'] if legs else 0}, but the newest "
+                         f"checkpoint is at round {began}; give another --out or remove the checkpoints.")
+    return legs, [point for point in earlier["curve"] if point[0] <= began]
+
+
 def run(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = os.path.join(args.data, args.task)
@@ -127,12 +149,15 @@ def run(args) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     progress = Progress(None if args.minutes is None else 60 * args.minutes,
                         None if args.wall_minutes is None else STARTED + 60 * args.wall_minutes)
-    with tempfile.TemporaryDirectory() as out:
+    with contextlib.ExitStack() as stack:
+        out = args.checkpoint_dir or stack.enter_context(tempfile.TemporaryDirectory())
+        saving = {} if args.checkpoint_dir is None else {"save_strategy": "steps", "save_steps": args.eval_every,
+                                                         "save_total_limit": 1}
         torch.manual_seed(args.seed)
         zo = zo_arguments(out, args.rule, args.attack, args.seed, args.rounds, args.eval_every,
                           per_device_train_batch_size=args.batch, num_perturbations=args.nu, zo_eps=args.mu,
                           learning_rate=args.lr, lr_scheduler_type="constant", per_device_eval_batch_size=256,
-                          use_cpu=device == "cpu")
+                          use_cpu=device == "cpu", zo_group_by_length=args.group_by_length, **saving)
         trainer = ZOByzantineTrainer(
             model=model, args=zo, train_dataset=tokenized(tokenizer, train_rows, max_length(spec)),
             eval_dataset=tokenized(tokenizer, dev_rows, max_length(spec)),
@@ -140,22 +165,30 @@ def run(args) -> dict:
             compute_metrics=compute_metrics_fn(["accuracy"]), callbacks=[progress],
         )
         start = trainer.evaluate()["eval_accuracy"]
-        trainer.train()
+        resume = None if args.checkpoint_dir is None else last_checkpoint(args.checkpoint_dir)
+        began = int(resume.rsplit("-", 1)[1]) if resume else 0
+        legs, curve = previous_legs(args.out, began)
+        trainer.train(resume_from_checkpoint=resume)
         losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
     rounds = trainer.state.global_step
-    accuracies = [a for _, a, _ in progress.curve]
+    earlier = sum(leg["seconds"] for leg in legs)
+    curve += [(step, accuracy, round(earlier + seconds, 2)) for step, accuracy, seconds in progress.curve
+              if not curve or step > began]  # a resumed leg's evaluation before training is the checkpoint's
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    legs.append({"device": name, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
+    accuracies = [a for _, a, _ in curve]
     result = {
         "task": args.task, "rule": args.rule, "attack": args.attack, "seed": args.seed, "trainable": args.trainable,
         "trainable_parameters": trainable, "lr": args.lr, "mu": args.mu, "nu": args.nu, "batch_per_client": args.batch,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "group_by_length": args.group_by_length, "device": name,
         "probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds,
         "start": start, "best": max([start, *accuracies]), "final": accuracies[-1] if accuracies else start,
-        "rounds": rounds, "seconds": progress.spent, "ms_per_round": 1000 * progress.spent / max(rounds, 1),
-        "curve": progress.curve, "loss": losses,
+        "rounds": rounds, "seconds": round(sum(leg["seconds"] for leg in legs), 2),
+        "ms_per_round": 1000 * progress.spent / max(rounds - began, 1), "legs": legs, "curve": curve, "loss": losses,
     }
     print(f"{args.task} {args.rule}/{args.attack} {args.trainable} lr {args.lr}: start {start:.3f} best "
           f"{result['best']:.3f} final {result['final']:.3f} after {rounds} rounds "
-          f"({result['ms_per_round']:.1f} ms/round on {result['device']})", flush=True)
+          f"({result['ms_per_round']:.1f} ms/round on {result['device']}, from round {began})", flush=True)
     return result
 
 
@@ -180,6 +213,10 @@ def main(argv=None):
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"))
     parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--checkpoint_dir", default=None,
+                        help="keep checkpoints here; a run started again resumes from the newest one")
+    parser.add_argument("--group_by_length", action=argparse.BooleanOptionalAction, default=True,
+                        help="forwards of examples of similar length, each cut to its longest (zo_group_by_length)")
     parser.add_argument("--probe_dir", default=None,
                         help="keep probes here: a saved probe of the same task, rule, attack, seed is reused")
     parser.add_argument("--probe_only", action="store_true", help="stop after the probe (to prepare --probe_dir)")
@@ -188,7 +225,7 @@ def main(argv=None):
     if args.probe_only and args.probe_dir is None:
         parser.error("--probe_only keeps the probe in --probe_dir: give --probe_dir.")
     if args.smoke:
-        args.probe_rounds, args.rounds, args.eval_every, args.batch = 8, 4, 2, 4
+        args.probe_rounds, args.rounds, args.eval_every, args.batch = 8, min(args.rounds, 4), 2, 4
     logging.disable(logging.WARNING)
     result = run(args)
     if args.out:

@@ -95,3 +95,42 @@ def test_a_saved_probe_comes_back_with_its_head_and_results(tmp_path):
                path)  # a pickled class
     with pytest.raises(pickle.UnpicklingError):
         load_probe(path, 6, 3, mean, std)
+
+
+def _encoder_smoke(tmp_path, name, *extra):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--smoke", "--data", DATA, "--out",
+           str(out), *extra]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_an_encoder_run_resumed_from_its_checkpoint_follows_the_same_trajectory(tmp_path):
+    """``--checkpoint_dir``: 2 rounds, then 2 more from the checkpoint, give the losses and accuracies of 4 rounds
+    in one go; the result holds both legs and the whole curve."""
+    whole = _encoder_smoke(tmp_path, "whole", "--lr", "1e-3")
+    folder = str(tmp_path / "checkpoints")
+    first = _encoder_smoke(tmp_path, "resumed", "--lr", "1e-3", "--rounds", "2", "--checkpoint_dir", folder)
+    assert first["rounds"] == 2 and [leg["to"] for leg in first["legs"]] == [2]
+    resumed = _encoder_smoke(tmp_path, "resumed", "--lr", "1e-3", "--rounds", "4", "--checkpoint_dir", folder)
+    assert resumed["rounds"] == 4 and [(leg["from"], leg["to"]) for leg in resumed["legs"]] == [(0, 2), (2, 4)]
+    assert [(s, a) for s, a, _ in resumed["curve"]] == [(s, a) for s, a, _ in whole["curve"]]
+    assert resumed["loss"] == whole["loss"] and len(whole["loss"]) == 2
+    assert resumed["seconds"] == pytest.approx(sum(leg["seconds"] for leg in resumed["legs"]))
+
+
+def test_a_resumed_encoder_run_refuses_an_out_that_does_not_reach_its_checkpoint(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from encoder import previous_legs
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"device": "cpu", "rounds": 250, "seconds": 10.0, "curve": [[0, 0.5, 0], [250, 0.6, 10]],
+                                "legs": [{"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}]}))
+    assert previous_legs(str(path), 250) == ([{"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}],
+                                             [[0, 0.5, 0], [250, 0.6, 10]])
+    assert previous_legs(str(path), 0) == ([], [])
+    assert previous_legs(str(tmp_path / "none.json"), 0) == ([], [])
+    with pytest.raises(ValueError, match="--out: .* up to round 250, but the newest checkpoint is at round 500"):
+        previous_legs(str(path), 500)

@@ -60,7 +60,10 @@ REPLACED = {
     "label_smoothing_factor": "the clients' losses are the model's per-example losses; smooth inside the model",
     "torch_compile": "the perturbation swaps parameters per module call, which makes dynamo recompile every call "
                      "(measured: 45 s instead of 0.9 s for 20 rounds); compile is not supported",
-    "group_by_length": "the federated sampler fixes each round's batch (B examples of every participant)",
+    "group_by_length": "the federated sampler fixes each round's batch (B examples of every participant); "
+                       "zo_group_by_length=True groups a round's forwards by length",
+    "train_sampling_strategy": "the federated sampler fixes each round's batch (B examples of every participant); "
+                               "zo_group_by_length=True groups a round's forwards by length",
     "auto_find_batch_size": "per_device_train_batch_size is each client's batch B, part of the protocol",
     "neftune_noise_alpha": "noise in the embeddings would differ between the +mu and -mu forwards",
     "past_index": "rounds evaluate per-example losses only",
@@ -111,6 +114,13 @@ class ZOByzantineArguments(TrainingArguments):
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
         zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+        zo_group_by_length (`bool`, defaults to `False`): each forward's chunks hold examples of similar length
+            (`zo_forward_batch_size` each, else `per_device_train_batch_size`), each chunk cut to its own longest
+            example (the last attended or target token): the same losses up to rounding, without the forwards
+            over padding to the round's longest example (`benchmarks/padding.py`: MiniLM, 12 clients x 16 SST-2
+            sentences, one CPU thread: 3.1x fewer seconds per round). Needs an `attention_mask`; right padding is
+            cut, left padding kept. Split forwards make `"auto"` keep the round's directions (`"cached"`) when they
+            fit `zo_cache_budget_gb`, so that z is drawn once, not once per chunk.
         zo_direction_batch_size (`int`, defaults to 0): `n_B`: direction `r` of a client is evaluated on examples
             `[r n_B, (r+1) n_B)` of its batch (FedES, paper 001: one loss difference per batch of `n_B`), so
             `per_device_train_batch_size = num_perturbations * n_B`; two-point estimator, one local step. 0: every
@@ -122,8 +132,8 @@ class ZOByzantineArguments(TrainingArguments):
             `"antithetic"`: one forward of the doubled batch, each module drawing z once for +mu and -mu (2 passes;
             doubled activations; checked against two forwards at its first round). `"auto"`: two_forwards when the
             generator draws and adds in one fused pass (the counter generator's CPU kernel: regenerating z costs
-            less than reading it back), else cached when the round's directions fit `zo_cache_budget_gb`, else
-            two_forwards. `"auto"` also stacks the 2 nu models of a step into one forward (one matrix product of a
+            less than reading it back) and each forward is one chunk, else cached when the round's directions fit
+            `zo_cache_budget_gb`, else two_forwards. `"auto"` also stacks the 2 nu models of a step into one forward (one matrix product of a
             shared input with every direction's weights: logistic regression, MLPs; per-client directions: each
             client's 2 nu models on its own examples) when 2 nu copies of the
             trainable weights fit the budget and the stacked losses equal the one-at-a-time ones at the first
@@ -188,6 +198,8 @@ class ZOByzantineArguments(TrainingArguments):
     local_update: LocalUpdate = field(default="unbiased", metadata={"help": "unbiased, biased or compressed (K > 1)."})
     zo_seed: int | None = field(default=None, metadata={"help": "Shared seed s of the directions; defaults to seed."})
     zo_forward_batch_size: int = field(default=0, metadata={"help": "Examples per forward chunk; 0 = all at once."})
+    zo_group_by_length: bool = field(
+        default=False, metadata={"help": "Forward chunks of examples of similar length, each cut to its longest."})
     zo_direction_batch_size: int = field(
         default=0, metadata={"help": "n_B: each direction on its own n_B examples of the client's batch (FedES); "
                                      "0 = every direction on the whole batch."}
@@ -258,6 +270,8 @@ class ZOByzantineArguments(TrainingArguments):
         check_integer("num_byzantine", self.num_byzantine, 0)
         check_integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
         check_integer("zo_direction_batch_size", self.zo_direction_batch_size, 0)
+        if not isinstance(self.zo_group_by_length, bool):
+            raise ValueError(f"zo_group_by_length={self.zo_group_by_length!r} must be True or False.")
         check_real("zo_cache_budget_gb", self.zo_cache_budget_gb, 0.0)
         for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
             if getattr(self, name) is not None:

@@ -21,6 +21,11 @@ two_forwards, bitwise for cached):
                   budget, all clients in one forward (``stacked_clients``: a batched product per linear layer,
                   the rows each client reads of each embedding table) if it gives the client-by-client losses at
                   its first use
+
+``zo_group_by_length``: the forwards' chunks hold examples of similar length, each cut to its longest example
+(:func:`token_extents`), and their per-example losses are put back in the examples' order: the same losses up to
+rounding, without the forwards over the round's padding. ``auto`` keeps the round's directions (cached) when a
+forward is split into chunks, since a fused draw is made again for every chunk.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from .losses import client_losses, per_example_loss
+from .losses import IGNORE_INDEX, client_losses, per_example_loss
 from .perturbation import ParameterTable, Terms, antithetic, kept_buffer, perturbed, stacked
 
 logger = logging.getLogger(__name__)
@@ -100,16 +105,19 @@ class Schedule:
             return False  # a half-precision local model would be rounded at every step
         return self._fits(table, num_clients + 1)
 
-    def resolve(self, table: ParameterTable, num_directions: int) -> str:
-        """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters."""
+    def resolve(self, table: ParameterTable, num_directions: int, chunks: int = 1) -> str:
+        """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters in
+        forwards of ``chunks`` chunks each (:func:`forward_chunks`): a fused draw is regenerated per chunk, so
+        split forwards keep the round's directions when they fit."""
         if self.name == "auto":  # decided once, at the first round
             directions = table.directions
             kept_bytes = directions.kept_bytes(table.params) * num_directions
             fused = all(directions.fused(p) for p in table.params)
             fits = kept_bytes <= self.cache_budget_gb * 2**30
-            self.name = "cached" if fits and not fused else "two_forwards"
-            logger.info("zo_schedule='auto': %s (fused draws: %s; the round's directions take %.3g GB, "
-                        "zo_cache_budget_gb=%g).", self.name, fused, kept_bytes / 2**30, self.cache_budget_gb)
+            self.name = "cached" if fits and (not fused or chunks > 1) else "two_forwards"
+            logger.info("zo_schedule='auto': %s (fused draws: %s; %d chunks per forward; the round's directions "
+                        "take %.3g GB, zo_cache_budget_gb=%g).", self.name, fused, chunks, kept_bytes / 2**30,
+                        self.cache_budget_gb)
         return self.name
 
 
@@ -262,12 +270,55 @@ def _slice(inputs: dict, start: int, stop: int, total: int) -> dict:
     return {k: v[start:stop] if torch.is_tensor(v) and v.shape[:1] == (total,) else v for k, v in inputs.items()}
 
 
+def chunk_size(rows: int, forward_batch_size: int, batch: int, group_by_length: bool) -> int:
+    """Examples per forward chunk: ``forward_batch_size``, else a client's ``batch`` when grouped by length, else
+    all ``rows``."""
+    return forward_batch_size or (batch if group_by_length else rows)
+
+
+def forward_chunks(rows: int, forward_batch_size: int, batch: int, group_by_length: bool) -> int:
+    """Forward chunks of ``rows`` examples (:func:`chunk_size` each)."""
+    return -(-rows // max(chunk_size(rows, forward_batch_size, batch, group_by_length), 1))
+
+
+def token_extents(inputs: dict) -> torch.Tensor:
+    """Per example, the columns a forward must keep: ``1 + the last column`` that is attended (``attention_mask``)
+    or a target (token ``labels`` other than -100). The columns after it are right padding, which no kept
+    position attends to and no loss reads."""
+    mask = inputs.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        raise ValueError("zo_group_by_length=True needs an `attention_mask` of shape [examples, tokens] in every "
+                         f"batch (a padding collator's); this batch has {sorted(inputs)}.")
+    needed = mask != 0
+    labels = inputs.get("labels")
+    if torch.is_tensor(labels) and labels.shape == mask.shape and not labels.is_floating_point():
+        needed = needed | (labels != IGNORE_INDEX)
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (needed * columns).amax(dim=1)
+
+
+def _trimmed(inputs: dict, rows: torch.Tensor, extents: torch.Tensor, total: int, width: int) -> dict:
+    """Examples ``rows`` of ``inputs``, their token-aligned tensors cut to the longest extent among them."""
+    keep = int(extents[rows].max())
+    out = {}
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.shape[:1] == (total,):
+            value = value[rows]
+            if value.dim() >= 2 and value.shape[1] == width and not (key == "labels" and value.is_floating_point()):
+                value = value[:, :keep]
+        out[key] = value
+    return out
+
+
 class BatchedClients:
     """``m`` clients of ``batch`` examples each, stacked in ``inputs`` (client-major).
 
     Args:
         forward: ``forward(model, inputs) -> (per-example loss sums, counts)``.
         forward_batch_size: examples per forward chunk (0: all at once).
+        group_by_length: forward chunks of examples of similar length (``forward_batch_size`` each, else ``batch``),
+            each cut to its own longest example (:func:`token_extents`): the same losses up to rounding, without
+            the forwards over the round's padding.
         context: a context-manager factory wrapped around every forward (autocast).
         cache: the round's directions by ``(seed, tensor)`` for ``schedule="cached"``, else ``None``.
     """
@@ -285,6 +336,7 @@ class BatchedClients:
         context: Callable = contextlib.nullcontext,
         cache: dict | None = None,
         direction_batch: int = 0,
+        group_by_length: bool = False,
     ):
         total = _rows(inputs)
         if total != num_clients * batch:
@@ -296,6 +348,7 @@ class BatchedClients:
         self.model, self.table, self.inputs = model, table, inputs
         self.m, self.batch, self.forward, self.schedule = num_clients, batch, forward, schedule
         self.chunk, self.context, self.cache = forward_batch_size, context, cache
+        self.group_by_length = group_by_length
         # the directions of the latest local step, drawn once for all clients' forwards and advances (stacked
         # clients, or the local models' advances), dropped when no client needs them any more
         self.recent: dict = {}
@@ -310,28 +363,44 @@ class BatchedClients:
     def client_inputs(self, i: int) -> dict:
         return _slice(self.inputs, i * self.batch, (i + 1) * self.batch, self.m * self.batch)
 
-    def _chunks(self, inputs: dict):
+    def _chunks(self, inputs: dict) -> tuple[list[dict], torch.Tensor | None]:
+        """The forward chunks of ``inputs`` and, when grouped by length, the inverse of the order they hold the
+        examples in (the chunks' outputs, concatenated, are put back in the examples' order by it)."""
         total = _rows(inputs)
-        size = self.chunk or total
-        for start in range(0, total, size):
-            yield _slice(inputs, start, start + size, total)
+        size = chunk_size(total, self.chunk, self.batch, self.group_by_length)
+        if not self.group_by_length:
+            return [_slice(inputs, start, start + size, total) for start in range(0, total, size)], None
+        extents = token_extents(inputs)
+        order = torch.argsort(extents, stable=True)
+        width = inputs["attention_mask"].shape[1]
+        chunks = [_trimmed(inputs, order[s : s + size], extents, total, width) for s in range(0, total, size)]
+        return chunks, torch.argsort(order)
+
+    @staticmethod
+    def _in_order(values: list[torch.Tensor], inverse: torch.Tensor | None) -> torch.Tensor:
+        """The chunks' per-example ``values`` (examples on the last dimension) in the examples' order."""
+        joined = torch.cat(values, dim=-1)
+        return joined if inverse is None else joined[..., inverse.to(joined.device)]
 
     def batched_losses(self, inputs: dict, client_of_example, num_clients: int, terms: Terms, cache=None,
                        base: list[torch.Tensor] | None = None):
         """Loss of each client at ``w + sum_k c_k z_k`` (``base + ...`` when given): forwards over all clients'
         examples."""
         sums, counts = [], []
+        chunks, inverse = self._chunks(inputs)
         with perturbed(self.table, terms, cache, base), self.context():
-            for chunk in self._chunks(inputs):
+            for chunk in chunks:
                 s, c = self.forward(self.model, chunk)
                 sums.append(s)
                 counts.append(c)
-        return client_losses(torch.cat(sums), torch.cat(counts), client_of_example, num_clients)
+        return client_losses(self._in_order(sums, inverse), self._in_order(counts, inverse), client_of_example,
+                             num_clients)
 
     def antithetic_losses(self, inputs: dict, client_of_example, num_clients: int, base: Terms, seed: int, mu: float):
         """Losses at ``w + base + mu z`` and ``w + base - mu z`` from forwards of doubled batches ``[x; x]``."""
         halves = [[], [], [], []]  # plus sums, plus counts, minus sums, minus counts
-        for chunk in self._chunks(inputs):
+        chunks, inverse = self._chunks(inputs)
+        for chunk in chunks:
             n = _rows(chunk)
             doubled = {k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v
                        for k, v in chunk.items()}
@@ -339,8 +408,8 @@ class BatchedClients:
                 s, c = self.forward(self.model, doubled)
             for store, value in zip(halves, (s[:n], c[:n], s[n:], c[n:]), strict=True):
                 store.append(value)
-        plus = client_losses(torch.cat(halves[0]), torch.cat(halves[1]), client_of_example, num_clients)
-        minus = client_losses(torch.cat(halves[2]), torch.cat(halves[3]), client_of_example, num_clients)
+        plus, minus = (client_losses(self._in_order(halves[k], inverse), self._in_order(halves[k + 1], inverse),
+                                     client_of_example, num_clients) for k in (0, 2))
         return plus.cpu(), minus.cpu()
 
     def losses(self, terms_per_client: list, cache: dict | None = None) -> torch.Tensor:
@@ -479,7 +548,7 @@ class BatchedClients:
         if self._per_direction is None:
             self._per_direction = BatchedClients(
                 self.model, self.table, self.inputs, self.m * nu, self.direction_batch, self.forward, self.schedule,
-                self.chunk, self.context, self.cache)
+                self.chunk, self.context, self.cache, group_by_length=self.group_by_length)
         plus, minus = self._per_direction.loss_pairs([o for o in offsets for _ in range(nu)],
                                                      [[seed] for row in seeds for seed in row], mu)
         return plus.view(self.m, nu), minus.view(self.m, nu)
@@ -501,7 +570,8 @@ class BatchedClients:
         forwards of at most ``schedule.stack_rows`` examples x models (num_clients x nu each)."""
         models = [[*offset, (seed, sign * mu)] for seed in seeds for sign in (1.0, -1.0)]
         sums, counts = [], []  # per example chunk: [models, rows]
-        for chunk in self._chunks(inputs):
+        chunks, inverse = self._chunks(inputs)
+        for chunk in chunks:
             rows = _rows(chunk)
             per = max(1, self.schedule.stack_rows // rows)
             parts = []
@@ -511,7 +581,7 @@ class BatchedClients:
                 parts.append((s.view(len(group), rows), c.view(len(group), rows)))
             sums.append(torch.cat([s for s, _ in parts]))
             counts.append(torch.cat([c for _, c in parts]))
-        sums, counts = torch.cat(sums, dim=1), torch.cat(counts, dim=1)
+        sums, counts = self._in_order(sums, inverse), self._in_order(counts, inverse)
         losses = client_losses(sums, counts, client_of_example, num_clients).cpu()  # [2 nu, num_clients]
         return losses[0::2].T, losses[1::2].T
 

@@ -37,7 +37,7 @@ from .messages import Downlink, Plan, Report
 from .optim import ZOOptimizer
 from .perturbation import ParameterTable
 from .server import Server
-from .simulation import BatchedClients, Schedule, flip_labels, model_num_labels
+from .simulation import BatchedClients, Schedule, flip_labels, forward_chunks, model_num_labels
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class ZOByzantineTrainer(Trainer):
         return BatchedClients(
             model, self.table, inputs, num_clients, self.args.per_device_train_batch_size, self.per_example_losses,
             self.schedule, self.args.zo_forward_batch_size, self.compute_loss_context_manager, cache,
-            self.args.zo_direction_batch_size,
+            self.args.zo_direction_batch_size, self.args.zo_group_by_length,
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
@@ -208,7 +208,9 @@ class ZOByzantineTrainer(Trainer):
         lr = self.zo_optimizer.learning_rate()
         local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else lr
         plan = self.server.plan(t, participants, local_lr)
-        schedule = self.schedule.resolve(self.table, plan.num_directions(len(ids)))
+        chunks = forward_chunks(len(ids) * zo.per_device_train_batch_size, zo.zo_forward_batch_size,
+                                zo.per_device_train_batch_size, zo.zo_group_by_length)
+        schedule = self.schedule.resolve(self.table, plan.num_directions(len(ids)), chunks)
         cache = {} if schedule == "cached" else None  # the round's directions
         sizes = [len(self.federation.partitions[c]) for c in ids]
         with torch.no_grad():

@@ -25,7 +25,7 @@ from ..checks import build_federation, check_label_flipping
 from ..client import client_reports
 from ..context import RoundContext
 from ..losses import PerExampleForward
-from ..simulation import BatchedClients, Schedule, flip_labels, model_num_labels
+from ..simulation import BatchedClients, Schedule, flip_labels, forward_chunks, model_num_labels
 from .config import Deployment, Node, Task
 from .replica import Replica
 from .wire import catch_up_content, read_plan, report_content
@@ -97,11 +97,13 @@ def answer(content, state: RecordDict, deployment: Deployment, task: Task, node:
     decided = state.get(SCHEDULE)  # what this node's checks decided at an earlier plan of the run
     schedule = Schedule.restored(args.zo_schedule, args.zo_cache_budget_gb,
                                  dict(decided) if isinstance(decided, ConfigRecord) else None)
-    cache = {} if schedule.resolve(replica.table, plan.num_directions(1)) == "cached" else None
+    chunks = forward_chunks(args.per_device_train_batch_size, args.zo_forward_batch_size,
+                            args.per_device_train_batch_size, args.zo_group_by_length)
+    cache = {} if schedule.resolve(replica.table, plan.num_directions(1), chunks) == "cached" else None
     task.model.eval()
     clients = BatchedClients(task.model, replica.table, inputs, 1, args.per_device_train_batch_size,
                              PerExampleForward(), schedule, args.zo_forward_batch_size, contextlib.nullcontext, cache,
-                             args.zo_direction_batch_size)
+                             args.zo_direction_batch_size, args.zo_group_by_length)
     with torch.no_grad():
         (report,) = client_reports(plan, clients, replica.table, [node.client], [size])
     report.scalars = local_attack(node, report.scalars, args.zo_seed, t)
