@@ -105,12 +105,14 @@ class Progress(TrainerCallback):
 
     def __init__(self, seconds: float | None, deadline: float | None = None):
         self.seconds, self.deadline, self.curve, self.spent, self._began = seconds, deadline, [], 0.0, None
+        self.rounds = 0  # the rounds trained under this callback (a resumed run's: since its checkpoint)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._began = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.spent += time.perf_counter() - self._began
+        self.rounds += 1
         if (self.seconds is not None and self.spent >= self.seconds) or (
                 self.deadline is not None and time.monotonic() >= self.deadline):
             control.should_training_stop = control.should_evaluate = True

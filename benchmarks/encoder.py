@@ -10,12 +10,13 @@
    ``--eval_every`` rounds, with the training seconds spent so far.
 
     python benchmarks/encoder.py --task sst2 --attack none --minutes 6 --out sst2_none.json   # on a GPU
+    python benchmarks/encoder.py --smoke                                                       # CI smoke
 
 ``--checkpoint_dir D`` keeps a checkpoint there at every evaluation and when the time is up; started again with the
 same arguments, the run resumes from the newest one (the trainer's resume: the same trajectory) and ``--out`` gets
-the whole curve, the earlier legs' from the ``--out`` it wrote before. The rounds' forwards are grouped by length
+the whole curve (accuracies from the restored history; the earlier legs and their seconds from the ``--out`` they
+wrote, refused when it records other settings). On the CPU the rounds' forwards are grouped by length
 (``zo_group_by_length``; ``--no-group_by_length``: padded to the round's longest sentence).
-    python benchmarks/encoder.py --smoke                                                       # CI smoke
 
 References (``results/real_model.md``, centralised, first-order): full fine-tuning 83.4 (SST-2) and 96.8 (TREC);
 the zeroth-order head on frozen features 78.1 and 88.5 without attack.
@@ -104,29 +105,49 @@ def tokenized(tokenizer, examples: list[dict], length: int) -> list[dict]:
     return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
 
 
-def previous_legs(path: str | None, began: int) -> tuple[list, list]:
-    """The legs and curve points up to round ``began`` of the result JSON ``path`` wrote by earlier legs."""
-    if not began or path is None or not os.path.exists(path):
-        return [], []
+SETTINGS = ("task", "rule", "attack", "seed", "trainable", "lr", "mu", "nu", "batch_per_client", "group_by_length")
+
+
+def settings(args) -> dict:
+    """What a resumed leg must share with the earlier ones (its trajectory depends on them)."""
+    values = {**vars(args), "batch_per_client": args.batch}
+    return {key: values[key] for key in SETTINGS}
+
+
+def previous_legs(path: str | None, began: int, now: dict) -> tuple[list, dict]:
+    """The legs up to round ``began`` that the result JSON ``path`` records (a leg that ended without writing it is
+    one of unknown device and seconds), and the training seconds of its evaluated rounds; refused when its
+    settings differ from ``now`` (:func:`settings`)."""
+    if not began:
+        return [], {}
+    if path is None or not os.path.exists(path):
+        return [{"device": None, "from": 0, "to": began, "seconds": None}], {}
     with open(path) as f:
         earlier = json.load(f)
-    legs = earlier.get("legs") or [{"device": earlier["device"], "from": 0, "to": earlier["rounds"],
-                                    "seconds": earlier["seconds"]}]
-    legs = [leg for leg in legs if leg["to"] <= began]
-    if not legs or legs[-1]["to"] != began:
-        raise ValueError(f"--out: {path} records legs up to round {legs[-1]['to'] if legs else 0}, but the newest "
-                         f"checkpoint is at round {began}; give another --out or remove the checkpoints.")
-    return legs, [point for point in earlier["curve"] if point[0] <= began]
+    differ = {key: (earlier.get(key), now[key]) for key in SETTINGS if earlier.get(key, now[key]) != now[key]}
+    if differ:
+        raise ValueError(f"--out: {path} was written by a run of other settings than this one's, which resumes its "
+                         f"checkpoint: {differ} (earlier, now); resume with the same arguments.")
+    legs = [leg for leg in earlier.get("legs", []) if leg["to"] <= began]
+    reached = legs[-1]["to"] if legs else 0
+    if reached < began:
+        legs.append({"device": None, "from": reached, "to": began, "seconds": None})
+    return legs, {point[0]: point[2] for point in earlier["curve"] if point[0] <= reached}
 
 
 def run(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.group_by_length is None:  # B-sized chunks pay on the CPU; on a GPU one wide forward may cost less
+        args.group_by_length = device == "cpu"
+    resume = None if args.checkpoint_dir is None else last_checkpoint(args.checkpoint_dir)
+    began = int(resume.rsplit("-", 1)[1]) if resume else 0
+    legs, seconds_at = previous_legs(args.out, began, settings(args))  # refused before any work
     data_dir = os.path.join(args.data, args.task)
     per_class = 16 if args.smoke else PER_CLASS[args.task]
     dev_size = 100 if args.smoke else None
     train_rows, dev_rows, (train_f, dev_f), spec, (mean, std) = load(args.task, data_dir, per_class, dev_size,
                                                                        args.seed, device)
-    began = time.perf_counter()
+    probe_began = time.perf_counter()
     saved = probe_file(args)
     if args.probe_rounds == 0:  # timing runs: an untrained head
         probe = {"model": FeatureHead(train_f.x.shape[1], spec.num_labels), "best": math.nan, "final": math.nan}
@@ -138,7 +159,7 @@ def run(args) -> dict:
                            max(args.probe_rounds // 4, 1), out, keep_model=True)
         if saved is not None:
             save_probe(saved, probe, mean, std)
-    probe_seconds = time.perf_counter() - began
+    probe_seconds = time.perf_counter() - probe_began
     print(f"{args.task} {args.rule}/{args.attack}: probe best {probe['best']:.3f} final {probe['final']:.3f} "
           f"({probe_seconds:.0f} s)", flush=True)
     if args.probe_only:
@@ -164,27 +185,32 @@ def run(args) -> dict:
             data_collator=DataCollatorWithPadding(tokenizer),
             compute_metrics=compute_metrics_fn(["accuracy"]), callbacks=[progress],
         )
-        start = trainer.evaluate()["eval_accuracy"]
-        resume = None if args.checkpoint_dir is None else last_checkpoint(args.checkpoint_dir)
-        began = int(resume.rsplit("-", 1)[1]) if resume else 0
-        legs, curve = previous_legs(args.out, began)
+        start = trainer.evaluate()["eval_accuracy"]  # the probe's start (a checkpoint is loaded by train())
         trainer.train(resume_from_checkpoint=resume)
-        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        history = trainer.state.log_history  # restored on resume: the whole run's
     rounds = trainer.state.global_step
-    earlier = sum(leg["seconds"] for leg in legs)
-    curve += [(step, accuracy, round(earlier + seconds, 2)) for step, accuracy, seconds in progress.curve
-              if not curve or step > began]  # a resumed leg's evaluation before training is the checkpoint's
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    legs.append({"device": name, "from": began, "to": rounds, "seconds": round(progress.spent, 2)})
+    known = [leg["seconds"] for leg in legs]
+    earlier = None if None in known else sum(known)  # the training seconds before this leg
+    if progress.rounds:  # the rounds this leg trained, as counted by its callback (not read off the checkpoint)
+        legs.append({"device": name, "from": rounds - progress.rounds, "to": rounds,
+                     "seconds": round(progress.spent, 2)})
+        seconds_at.update({step: None if earlier is None else round(earlier + spent, 2)
+                           for step, _, spent in progress.curve})
+    curve = [(0, start, 0.0)] + [(e["step"], e["eval_accuracy"], seconds_at.get(e["step"]))
+                                 for e in history if "eval_accuracy" in e and e["step"] > 0]
     accuracies = [a for _, a, _ in curve]
+    losses = [(e["step"], e["loss"]) for e in history if "loss" in e]
     result = {
         "task": args.task, "rule": args.rule, "attack": args.attack, "seed": args.seed, "trainable": args.trainable,
         "trainable_parameters": trainable, "lr": args.lr, "mu": args.mu, "nu": args.nu, "batch_per_client": args.batch,
         "group_by_length": args.group_by_length, "device": name,
         "probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds,
         "start": start, "best": max([start, *accuracies]), "final": accuracies[-1] if accuracies else start,
-        "rounds": rounds, "seconds": round(sum(leg["seconds"] for leg in legs), 2),
-        "ms_per_round": 1000 * progress.spent / max(rounds - began, 1), "legs": legs, "curve": curve, "loss": losses,
+        "rounds": rounds, "seconds": None if any(leg["seconds"] is None for leg in legs) else round(
+            sum(leg["seconds"] for leg in legs), 2),
+        "ms_per_round": 1000 * progress.spent / max(progress.rounds, 1), "legs": legs, "curve": curve,
+        "loss": losses,
     }
     print(f"{args.task} {args.rule}/{args.attack} {args.trainable} lr {args.lr}: start {start:.3f} best "
           f"{result['best']:.3f} final {result['final']:.3f} after {rounds} rounds "
@@ -215,8 +241,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     parser.add_argument("--checkpoint_dir", default=None,
                         help="keep checkpoints here; a run started again resumes from the newest one")
-    parser.add_argument("--group_by_length", action=argparse.BooleanOptionalAction, default=True,
-                        help="forwards of examples of similar length, each cut to its longest (zo_group_by_length)")
+    parser.add_argument("--group_by_length", action=argparse.BooleanOptionalAction, default=None,
+                        help="forwards of examples of similar length, each cut to its longest (zo_group_by_length); "
+                             "default: on the CPU")
     parser.add_argument("--probe_dir", default=None,
                         help="keep probes here: a saved probe of the same task, rule, attack, seed is reused")
     parser.add_argument("--probe_only", action="store_true", help="stop after the probe (to prepare --probe_dir)")

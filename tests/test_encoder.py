@@ -109,28 +109,40 @@ def _encoder_smoke(tmp_path, name, *extra):
 
 def test_an_encoder_run_resumed_from_its_checkpoint_follows_the_same_trajectory(tmp_path):
     """``--checkpoint_dir``: 2 rounds, then 2 more from the checkpoint, give the losses and accuracies of 4 rounds
-    in one go; the result holds both legs and the whole curve."""
+    in one go; the second leg trains 2 rounds (counted by its callback), and the result holds both legs and the
+    whole curve with cumulative seconds."""
     whole = _encoder_smoke(tmp_path, "whole", "--lr", "1e-3")
     folder = str(tmp_path / "checkpoints")
     first = _encoder_smoke(tmp_path, "resumed", "--lr", "1e-3", "--rounds", "2", "--checkpoint_dir", folder)
-    assert first["rounds"] == 2 and [leg["to"] for leg in first["legs"]] == [2]
+    assert first["rounds"] == 2 and [(leg["from"], leg["to"]) for leg in first["legs"]] == [(0, 2)]
     resumed = _encoder_smoke(tmp_path, "resumed", "--lr", "1e-3", "--rounds", "4", "--checkpoint_dir", folder)
     assert resumed["rounds"] == 4 and [(leg["from"], leg["to"]) for leg in resumed["legs"]] == [(0, 2), (2, 4)]
-    assert [(s, a) for s, a, _ in resumed["curve"]] == [(s, a) for s, a, _ in whole["curve"]]
+    assert resumed["legs"][0] == first["legs"][0]
+    assert [(s, a) for s, a, _ in resumed["curve"]] == [(s, a) for s, a, _ in whole["curve"]] == [
+        (0, whole["start"]), (2, whole["curve"][1][1]), (4, whole["curve"][2][1])]
     assert resumed["loss"] == whole["loss"] and len(whole["loss"]) == 2
+    seconds = [t for _, _, t in resumed["curve"]]
+    assert seconds[1] == first["curve"][1][2] and seconds[2] > resumed["legs"][0]["seconds"]
     assert resumed["seconds"] == pytest.approx(sum(leg["seconds"] for leg in resumed["legs"]))
+    with pytest.raises(AssertionError, match="other settings"):  # a resume with another learning rate
+        _encoder_smoke(tmp_path, "resumed", "--lr", "2e-3", "--rounds", "6", "--checkpoint_dir", folder)
 
 
-def test_a_resumed_encoder_run_refuses_an_out_that_does_not_reach_its_checkpoint(tmp_path):
+def test_earlier_legs_come_from_the_result_an_encoder_run_wrote(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from encoder import previous_legs
 
+    now = {"task": "sst2", "rule": "cwtm", "attack": "none", "seed": 0, "trainable": "layers", "lr": 2e-5,
+           "mu": 1e-3, "nu": 1, "batch_per_client": 16, "group_by_length": True}
+    leg = {"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"device": "cpu", "rounds": 250, "seconds": 10.0, "curve": [[0, 0.5, 0], [250, 0.6, 10]],
-                                "legs": [{"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}]}))
-    assert previous_legs(str(path), 250) == ([{"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}],
-                                             [[0, 0.5, 0], [250, 0.6, 10]])
-    assert previous_legs(str(path), 0) == ([], [])
-    assert previous_legs(str(tmp_path / "none.json"), 0) == ([], [])
-    with pytest.raises(ValueError, match="--out: .* up to round 250, but the newest checkpoint is at round 500"):
-        previous_legs(str(path), 500)
+    path.write_text(json.dumps({**now, "device": "cpu", "rounds": 250, "seconds": 10.0,
+                                "curve": [[0, 0.5, 0], [250, 0.6, 10.0]], "legs": [leg]}))
+    assert previous_legs(str(path), 250, now) == ([leg], {0: 0, 250: 10.0})
+    assert previous_legs(str(path), 0, now) == ([], {})
+    # a leg that ended before writing its result: its rounds are known, its device and seconds are not
+    gap = {"device": None, "from": 250, "to": 500, "seconds": None}
+    assert previous_legs(str(path), 500, now) == ([leg, gap], {0: 0, 250: 10.0})
+    assert previous_legs(str(tmp_path / "none.json"), 250, now) == ([{**gap, "from": 0, "to": 250}], {})
+    with pytest.raises(ValueError, match=r"other settings .*'lr': \(2e-05, 3e-05\)"):
+        previous_legs(str(path), 250, {**now, "lr": 3e-5})

@@ -181,3 +181,26 @@ def test_padding_benchmark_runs_every_row_on_real_sentences():
     for row in ("padded", "grouped", "grouped_tf", "floor_padded", "floor_grouped"):
         assert re.search(rf"^  {row} +\d+\.\d+ s", run.stdout, re.M), run.stdout
     assert "grouped: schedule cached" in run.stdout and "grouped_tf: schedule two_forwards" in run.stdout
+
+
+@pytest.mark.parametrize(("directions", "expected"), [("shared", "cached"), ("per_client", "two_forwards")])
+def test_auto_keeps_directions_only_when_a_forward_is_split(tmp_path, tokenizer, directions, expected):
+    """Shared directions: one forward over all clients, in B-sized chunks: cached. Per-client directions (FedES):
+    each client's forward is its own B examples, one chunk: the fused draw is not repeated, two_forwards."""
+    trainer = _trainer(tmp_path, tokenizer, False, zo_group_by_length=True, max_steps=1, directions=directions,
+                       aggregator="mean")
+    trainer.train()
+    assert trainer.schedule.name == expected
+
+
+def test_shared_position_ids_are_cut_and_empty_examples_keep_a_column():
+    from zo_byzantine.simulation import _trimmed
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    inputs = {"input_ids": torch.arange(12).view(3, 4), "attention_mask": mask,
+              "position_ids": torch.arange(4)[None], "labels": torch.tensor([0, 1, 0]), "scale": 2.0}
+    extents = token_extents(inputs)
+    cut = _trimmed(inputs, torch.tensor([1, 0]), extents, 3, 4)
+    assert cut["input_ids"].tolist() == [[4, 5], [0, 1]] and cut["position_ids"].tolist() == [[0, 1]]
+    assert cut["labels"].tolist() == [1, 0] and cut["scale"] == 2.0
+    assert _trimmed(inputs, torch.tensor([2]), extents, 3, 4)["input_ids"].tolist() == [[8]]

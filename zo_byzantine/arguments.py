@@ -63,7 +63,7 @@ REPLACED = {
     "group_by_length": "the federated sampler fixes each round's batch (B examples of every participant); "
                        "zo_group_by_length=True groups a round's forwards by length",
     "train_sampling_strategy": "the federated sampler fixes each round's batch (B examples of every participant); "
-                               "zo_group_by_length=True groups a round's forwards by length",
+                               "to cut a round's padding, zo_group_by_length=True groups its forwards by length",
     "auto_find_batch_size": "per_device_train_batch_size is each client's batch B, part of the protocol",
     "neftune_noise_alpha": "noise in the embeddings would differ between the +mu and -mu forwards",
     "past_index": "rounds evaluate per-example losses only",
@@ -113,7 +113,8 @@ class ZOByzantineArguments(TrainingArguments):
         local_steps (`int`, defaults to 1): local steps per round, `K`.
         local_update (`str`, defaults to `"unbiased"`): `"unbiased"`, `"biased"` or `"compressed"` (for `K > 1`).
         zo_seed (`int`, *optional*): the shared seed `s`; defaults to `seed`.
-        zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once.
+        zo_forward_batch_size (`int`, defaults to 0): examples per forward chunk; 0 evaluates all clients at once
+            (with `zo_group_by_length`, in chunks of `per_device_train_batch_size`).
         zo_group_by_length (`bool`, defaults to `False`): each forward's chunks hold examples of similar length
             (`zo_forward_batch_size` each, else `per_device_train_batch_size`), each chunk cut to its own longest
             example (the last attended or target token): the same losses up to rounding, without the forwards
@@ -133,9 +134,9 @@ class ZOByzantineArguments(TrainingArguments):
             doubled activations; checked against two forwards at its first round). `"auto"`: two_forwards when the
             generator draws and adds in one fused pass (the counter generator's CPU kernel: regenerating z costs
             less than reading it back) and each forward is one chunk, else cached when the round's directions fit
-            `zo_cache_budget_gb`, else two_forwards. `"auto"` also stacks the 2 nu models of a step into one forward (one matrix product of a
-            shared input with every direction's weights: logistic regression, MLPs; per-client directions: each
-            client's 2 nu models on its own examples) when 2 nu copies of the
+            `zo_cache_budget_gb`, else two_forwards. `"auto"` also stacks the 2 nu models of a step into one
+            forward (one matrix product of a shared input with every direction's weights: logistic regression,
+            MLPs; per-client directions: each client's 2 nu models on its own examples) when 2 nu copies of the
             trainable weights fit the budget and the stacked losses equal the one-at-a-time ones at the first
             round (equal up to rounding, not bitwise). When the clients hold different models (local steps
             after the first; per-client directions), `"auto"` evaluates all of them in one forward (a batched
@@ -205,8 +206,8 @@ class ZOByzantineArguments(TrainingArguments):
                                      "0 = every direction on the whole batch."}
     )
     zo_schedule: ScheduleName = field(
-        default="auto", metadata={"help": "auto (two_forwards with fused draws, else cached, within "
-                                          "zo_cache_budget_gb; stacked models where they apply), two_forwards, "
+        default="auto", metadata={"help": "auto (two_forwards with fused draws and unsplit forwards, else cached, "
+                                          "within zo_cache_budget_gb; stacked models where they apply), two_forwards, "
                                           "cached or antithetic."}
     )
     zo_cache_budget_gb: float = field(

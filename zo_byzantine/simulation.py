@@ -11,7 +11,7 @@ two_forwards, bitwise for cached):
     antithetic    one forward of the doubled batch [x; x], each module drawing z once for +mu and -mu
                   (checked against two forwards at its first round; two_forwards if it does not match)
     auto          two_forwards when the generator draws and adds in one fused pass (regenerating z costs
-                  less than reading it back); else cached when the round's directions fit
+                  less than reading it back) and a forward is one chunk; else cached when the round's directions fit
                   ``zo_cache_budget_gb``; else two_forwards. And, when the clients share their model and 2 nu
                   copies of the trainable weights fit the budget, the 2 nu evaluations of a step in stacked
                   forwards (``perturbation.stacked``) if a shared input meets every direction's weights in one
@@ -24,8 +24,9 @@ two_forwards, bitwise for cached):
 
 ``zo_group_by_length``: the forwards' chunks hold examples of similar length, each cut to its longest example
 (:func:`token_extents`), and their per-example losses are put back in the examples' order: the same losses up to
-rounding, without the forwards over the round's padding. ``auto`` keeps the round's directions (cached) when a
-forward is split into chunks, since a fused draw is made again for every chunk.
+rounding, without the forwards over the round's padding. ``auto`` keeps the round's directions (cached, when they
+fit the budget) when a forward is split into chunks, since a fused draw is made again for every chunk. The
+stacked-clients forward (local steps after the first) runs whole, padded as given.
 """
 
 from __future__ import annotations
@@ -284,7 +285,9 @@ def forward_chunks(rows: int, forward_batch_size: int, batch: int, group_by_leng
 def token_extents(inputs: dict) -> torch.Tensor:
     """Per example, the columns a forward must keep: ``1 + the last column`` that is attended (``attention_mask``)
     or a target (token ``labels`` other than -100). The columns after it are right padding, which no kept
-    position attends to and no loss reads."""
+    position attends to and no loss reads: exact (up to rounding) for models that see padding through the
+    attention mask alone (BERT, GPT-2, Llama, ...), not for those that read pad embeddings (convolutions over
+    tokens, Funnel's pooling)."""
     mask = inputs.get("attention_mask")
     if not torch.is_tensor(mask) or mask.dim() != 2:
         raise ValueError("zo_group_by_length=True needs an `attention_mask` of shape [examples, tokens] in every "
@@ -298,12 +301,16 @@ def token_extents(inputs: dict) -> torch.Tensor:
 
 
 def _trimmed(inputs: dict, rows: torch.Tensor, extents: torch.Tensor, total: int, width: int) -> dict:
-    """Examples ``rows`` of ``inputs``, their token-aligned tensors cut to the longest extent among them."""
-    keep = int(extents[rows].max())
+    """Examples ``rows`` of ``inputs``, their token-aligned tensors (``[examples, tokens, ...]``, or ``[1, tokens,
+    ...]`` shared by all, as ``position_ids`` may be) cut to the longest extent among them (at least one column).
+    Float ``labels`` are never cut (multi-label targets ``[examples, labels]``): float token targets are not
+    supported."""
+    keep = max(int(extents[rows].max()), 1)
     out = {}
     for key, value in inputs.items():
-        if torch.is_tensor(value) and value.shape[:1] == (total,):
-            value = value[rows]
+        if torch.is_tensor(value) and value.shape[:1] in ((total,), (1,)) and value.dim() >= 1:
+            if value.shape[0] == total:
+                value = value[rows]
             if value.dim() >= 2 and value.shape[1] == width and not (key == "labels" and value.is_floating_point()):
                 value = value[:, :keep]
         out[key] = value

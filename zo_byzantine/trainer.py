@@ -208,8 +208,8 @@ class ZOByzantineTrainer(Trainer):
         lr = self.zo_optimizer.learning_rate()
         local_lr = zo.local_learning_rate if zo.local_learning_rate is not None else lr
         plan = self.server.plan(t, participants, local_lr)
-        chunks = forward_chunks(len(ids) * zo.per_device_train_batch_size, zo.zo_forward_batch_size,
-                                zo.per_device_train_batch_size, zo.zo_group_by_length)
+        rows = zo.per_device_train_batch_size * (1 if plan.per_client else len(ids))  # per-client: client by client
+        chunks = forward_chunks(rows, zo.zo_forward_batch_size, zo.per_device_train_batch_size, zo.zo_group_by_length)
         schedule = self.schedule.resolve(self.table, plan.num_directions(len(ids)), chunks)
         cache = {} if schedule == "cached" else None  # the round's directions
         sizes = [len(self.federation.partitions[c]) for c in ids]
