@@ -42,7 +42,16 @@ sys.path.insert(0, HERE)
 
 from _common import Progress  # noqa: E402
 from fedes import last_checkpoint  # noqa: E402
-from real_model import PER_CLASS, ROOT, load, load_minilm, max_length, zo_arguments, zo_run  # noqa: E402
+from real_model import (  # noqa: E402
+    PER_CLASS,
+    ROOT,
+    first_order_head,
+    load,
+    load_minilm,
+    max_length,
+    zo_arguments,
+    zo_run,
+)
 
 from zo_byzantine import ZOByzantineTrainer  # noqa: E402
 from zo_byzantine.features import FeatureHead, PooledClassifier  # noqa: E402
@@ -71,7 +80,7 @@ def probe_file(args) -> str | None:
     """Where ``--probe_dir`` keeps the probe of this task, rule, attack, seed and probe length (or None)."""
     if args.probe_dir is None:
         return None
-    name = f"{args.task}_{args.rule}_{args.attack}_s{args.seed}_r{args.probe_rounds}.pt"
+    name = f"{args.task}_{args.rule}_{args.attack}_s{args.seed}_r{args.probe_rounds}_n{args.per_class}.pt"
     return os.path.join(args.probe_dir, name)
 
 
@@ -105,7 +114,8 @@ def tokenized(tokenizer, examples: list[dict], length: int) -> list[dict]:
     return [{**{k: v[i] for k, v in encoded.items()}, "labels": int(e["label"])} for i, e in enumerate(examples)]
 
 
-SETTINGS = ("task", "rule", "attack", "seed", "trainable", "lr", "mu", "nu", "batch_per_client", "group_by_length")
+SETTINGS = ("task", "rule", "attack", "seed", "trainable", "lr", "mu", "nu", "batch_per_client", "group_by_length",
+            "per_class")
 
 
 def settings(args) -> dict:
@@ -143,10 +153,10 @@ def run(args) -> dict:
     began = int(resume.rsplit("-", 1)[1]) if resume else 0
     legs, seconds_at = previous_legs(args.out, began, settings(args))  # refused before any work
     data_dir = os.path.join(args.data, args.task)
-    per_class = 16 if args.smoke else PER_CLASS[args.task]
     dev_size = 100 if args.smoke else None
-    train_rows, dev_rows, (train_f, dev_f), spec, (mean, std) = load(args.task, data_dir, per_class, dev_size,
+    train_rows, dev_rows, (train_f, dev_f), spec, (mean, std) = load(args.task, data_dir, args.per_class, dev_size,
                                                                        args.seed, device)
+    frozen = first_order_head(train_f, dev_f, spec, args.seed)  # the frozen-feature ceiling on this run's data
     probe_began = time.perf_counter()
     saved = probe_file(args)
     if args.probe_rounds == 0:  # timing runs: an untrained head
@@ -160,8 +170,8 @@ def run(args) -> dict:
         if saved is not None:
             save_probe(saved, probe, mean, std)
     probe_seconds = time.perf_counter() - probe_began
-    print(f"{args.task} {args.rule}/{args.attack}: probe best {probe['best']:.3f} final {probe['final']:.3f} "
-          f"({probe_seconds:.0f} s)", flush=True)
+    print(f"{args.task} {args.rule}/{args.attack}, {len(train_rows)} training examples: probe best {probe['best']:.3f} "
+          f"final {probe['final']:.3f} ({probe_seconds:.0f} s); frozen features, first order: {frozen:.3f}", flush=True)
     if args.probe_only:
         return {"probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds}
 
@@ -204,7 +214,8 @@ def run(args) -> dict:
     result = {
         "task": args.task, "rule": args.rule, "attack": args.attack, "seed": args.seed, "trainable": args.trainable,
         "trainable_parameters": trainable, "lr": args.lr, "mu": args.mu, "nu": args.nu, "batch_per_client": args.batch,
-        "group_by_length": args.group_by_length, "device": name,
+        "group_by_length": args.group_by_length, "per_class": args.per_class, "train_examples": len(train_rows),
+        "frozen_first_order_head": frozen, "device": name,
         "probe": {k: v for k, v in probe.items() if k != "model"}, "probe_seconds": probe_seconds,
         "start": start, "best": max([start, *accuracies]), "final": accuracies[-1] if accuracies else start,
         "rounds": rounds, "seconds": None if any(leg["seconds"] is None for leg in legs) else round(
@@ -230,6 +241,8 @@ def main(argv=None):
     parser.add_argument("--mu", type=float, default=1e-3)
     parser.add_argument("--nu", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16, help="examples per client per round")
+    parser.add_argument("--per_class", type=int, default=None,
+                        help="training examples per class (default: real_model.PER_CLASS, SST-2 1,000, TREC all)")
     parser.add_argument("--probe_rounds", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=100_000)
     parser.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
@@ -251,8 +264,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.probe_only and args.probe_dir is None:
         parser.error("--probe_only keeps the probe in --probe_dir: give --probe_dir.")
+    if args.per_class is not None and args.per_class < 1:
+        parser.error(f"--per_class={args.per_class}; accepted: a positive number of examples per class.")
     if args.smoke:
-        args.probe_rounds, args.rounds, args.eval_every, args.batch = 8, min(args.rounds, 4), 2, 4
+        args.per_class, args.probe_rounds, args.rounds, args.eval_every, args.batch = 16, 8, min(args.rounds, 4), 2, 4
+    elif args.per_class is None:
+        args.per_class = PER_CLASS[args.task]
     logging.disable(logging.WARNING)
     result = run(args)
     if args.out:

@@ -67,6 +67,8 @@ def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
     assert result["start"] == result["probe"]["final"]  # the fine-tune starts from the probe's predictions
     assert [step for step, _, _ in result["curve"]] == [0, 2, 4]
     assert 10_000_000 < result["trainable_parameters"] < 11_000_000  # six layers and the head; embeddings frozen
+    assert (result["per_class"], result["train_examples"]) == (16, 32)
+    assert 0.0 <= result["frozen_first_order_head"] <= 1.0  # the frozen-feature ceiling on the run's own data
     assert all(0.0 <= acc <= 1.0 for _, acc, _ in result["curve"])
 
 
@@ -133,7 +135,7 @@ def test_earlier_legs_come_from_the_result_an_encoder_run_wrote(tmp_path):
     from encoder import previous_legs
 
     now = {"task": "sst2", "rule": "cwtm", "attack": "none", "seed": 0, "trainable": "layers", "lr": 2e-5,
-           "mu": 1e-3, "nu": 1, "batch_per_client": 16, "group_by_length": True}
+           "mu": 1e-3, "nu": 1, "batch_per_client": 16, "group_by_length": True, "per_class": 1000}
     leg = {"device": "cpu", "from": 0, "to": 250, "seconds": 10.0}
     path = tmp_path / "run.json"
     path.write_text(json.dumps({**now, "device": "cpu", "rounds": 250, "seconds": 10.0,
@@ -146,3 +148,13 @@ def test_earlier_legs_come_from_the_result_an_encoder_run_wrote(tmp_path):
     assert previous_legs(str(tmp_path / "none.json"), 250, now) == ([{**gap, "from": 0, "to": 250}], {})
     with pytest.raises(ValueError, match=r"other settings .*'lr': \(2e-05, 3e-05\)"):
         previous_legs(str(path), 250, {**now, "lr": 3e-5})
+    with pytest.raises(ValueError, match=r"other settings .*'per_class': \(1000, 12000\)"):  # other training data
+        previous_legs(str(path), 250, {**now, "per_class": 12000})
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_encoder_refuses_a_bad_per_class_before_any_work(value):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--per_class", value, "--data",
+           "/nonexistent"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and f"--per_class={value}; accepted: a positive number" in run.stderr
