@@ -77,7 +77,8 @@ def select_trainable(model: PooledClassifier, trainable: str, lora_r: int) -> Po
 
 
 def probe_file(args) -> str | None:
-    """Where ``--probe_dir`` keeps the probe of this task, rule, attack, seed and probe length (or None)."""
+    """Where ``--probe_dir`` keeps the probe of this task, rule, attack, seed, probe length and ``--per_class`` (or
+    None)."""
     if args.probe_dir is None:
         return None
     name = f"{args.task}_{args.rule}_{args.attack}_s{args.seed}_r{args.probe_rounds}_n{args.per_class}.pt"
