@@ -16,7 +16,8 @@ import torch
 from _common import interleaved, machine
 
 from zo_byzantine import native
-from zo_byzantine.directions import CounterDirections, TorchDirections, counter_stream, tensor_seed
+from zo_byzantine.counter import counter_stream
+from zo_byzantine.directions import CounterDirections, TorchDirections, tensor_seed
 
 
 def main():

@@ -22,7 +22,7 @@ import torch
 from _common import interleaved, machine
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zo_byzantine import directions, native
+from zo_byzantine import counter, directions, native
 from zo_byzantine.directions import CounterDirections, direction_seed
 
 SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
@@ -43,12 +43,12 @@ class CountOperations(TorchDispatchMode):
 @contextlib.contextmanager
 def one_at_a_time():
     """The code before directions were drawn together: 2^19-pair chunks on every device, sums term by term."""
-    saved = directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES
-    directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = directions.CHUNK_PAIRS, 1
+    saved = counter.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES
+    counter.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = counter.CHUNK_PAIRS, 1
     try:
         yield
     finally:
-        directions.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = saved
+        counter.GPU_CHUNK_PAIRS, directions.BLOCK_VALUES = saved
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@
 
 Rows (``zo_cache_budget_gb`` 1, the default, unless said): 8 rounds of K = 1 timed together, one K = 1 round, and a
 K = 8 round, with ``zo_schedule="auto"`` (K = 8: the clients' local models kept and, after the first step, all
-clients in one forward: ``simulation.BatchedClients.stacked_clients``); K = 8 with ``two_forwards`` (local models
+clients in one forward: ``batched_clients.BatchedClients.stacked_clients``); K = 8 with ``two_forwards`` (local models
 kept, one forward per client); K = 8 with them regenerated from their terms at every forward (``two_forwards``,
 budget 0, the first path). Printed: best seconds, the ratio to the 8 rounds of K = 1 (best times, and the median
 of the per-repeat ratios), the ratio to 8 x the best single K = 1 round, generator passes per round (units of d).

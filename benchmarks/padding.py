@@ -29,8 +29,8 @@ from real_model import PER_CLASS, load_minilm, max_length
 from transformers import DataCollatorWithPadding
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
+from zo_byzantine.chunks import token_extents
 from zo_byzantine.features import FeatureHead, PooledClassifier
-from zo_byzantine.simulation import token_extents
 from zo_byzantine.tasks import load_local_split, load_task, sample_per_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,9 +8,8 @@ import torch
 from helpers import LogisticRegression, VectorDataset, dataset_loss, make_trainer
 
 from zo_byzantine.aggregators import CWTM, NNM, Chain, Mean, Median
-from zo_byzantine.attacks import ATTACKS, Attack, build_attack, register_attack
+from zo_byzantine.attacks import ATTACKS, Attack, build_attack, flip_labels, register_attack
 from zo_byzantine.context import AttackOutput, RoundContext
-from zo_byzantine.simulation import flip_labels
 
 HONEST = torch.tensor([[1.0, -2.0], [3.0, -4.0], [5.0, 0.0], [7.0, -6.0], [9.0, 2.0]], dtype=torch.float64)
 OWN = torch.zeros(2, 2, dtype=torch.float64)  # n = 7, b = 2

@@ -10,20 +10,9 @@ import pytest
 import torch
 from helpers import LogisticRegression, VectorDataset, make_trainer
 
-from zo_byzantine import directions, native
-from zo_byzantine.directions import (
-    GAMMA,
-    MIX1,
-    MIX2,
-    CounterDirections,
-    TorchDirections,
-    build_directions,
-    counter_stream,
-    counter_streams,
-    direction_seed,
-    mix,
-    tensor_seed,
-)
+from zo_byzantine import counter, directions, native
+from zo_byzantine.counter import GAMMA, MIX1, MIX2, counter_stream, counter_streams, mix
+from zo_byzantine.directions import CounterDirections, TorchDirections, build_directions, direction_seed, tensor_seed
 from zo_byzantine.ledger import replay
 from zo_byzantine.perturbation import ParameterTable, apply_update
 
@@ -115,7 +104,7 @@ def test_directions_drawn_together_are_each_direction_bitwise(distribution, monk
         for row, key in zip(expected, keys, strict=True):
             native.generate(row, key, distribution == "gaussian")
         for chunk in (3, 1 << 19):
-            monkeypatch.setattr(directions, "CHUNK_PAIRS", chunk)
+            monkeypatch.setattr(counter, "CHUNK_PAIRS", chunk)
             assert torch.equal(_bits(counter_streams(keys, numel, distribution)), _bits(expected)), (numel, chunk)
     gen = CounterDirections(distribution)
     param = torch.randn(3, 333, generator=torch.Generator().manual_seed(2))
@@ -336,10 +325,8 @@ def test_a_module_returning_a_view_of_its_weight_keeps_its_values():
 
 
 def test_plain_path_chunks_give_the_same_stream(monkeypatch):
-    import zo_byzantine.directions as directions
-
     whole = counter_stream(7, 1001, "gaussian")
-    monkeypatch.setattr(directions, "CHUNK_PAIRS", 7)
+    monkeypatch.setattr(counter, "CHUNK_PAIRS", 7)
     assert torch.equal(_bits(counter_stream(7, 1001, "gaussian")), _bits(whole))
 
 

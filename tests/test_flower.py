@@ -9,6 +9,7 @@ import torch
 from flower_helpers import LoopbackGrid, assert_same_rounds, run_config, trainer_ledger
 
 from zo_byzantine import Ledger, replay
+from zo_byzantine.batched_clients import BatchedClients
 from zo_byzantine.flower import (
     Coordinator,
     PlanRefused,
@@ -24,7 +25,7 @@ from zo_byzantine.flower import (
 )
 from zo_byzantine.flower.config import build_task
 from zo_byzantine.flower.wire import REPORT, catch_up_content
-from zo_byzantine.simulation import BatchedClients, Schedule
+from zo_byzantine.schedule import Schedule
 
 pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402

@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import FILLER, NEGATIVE, POSITIVE, collate, make_trainer, state, tiny_bert, tiny_gpt2, wordpiece_tokenizer
 
+from zo_byzantine.chunks import token_extents
 from zo_byzantine.perturbation import direction_seed
-from zo_byzantine.simulation import token_extents
 
 CLIENTS, BATCH = 4, 6
 
@@ -194,13 +194,13 @@ def test_auto_keeps_directions_only_when_a_forward_is_split(tmp_path, tokenizer,
 
 
 def test_shared_position_ids_are_cut_and_empty_examples_keep_a_column():
-    from zo_byzantine.simulation import _trimmed
+    from zo_byzantine.chunks import trimmed
 
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     inputs = {"input_ids": torch.arange(12).view(3, 4), "attention_mask": mask,
               "position_ids": torch.arange(4)[None], "labels": torch.tensor([0, 1, 0]), "scale": 2.0}
     extents = token_extents(inputs)
-    cut = _trimmed(inputs, torch.tensor([1, 0]), extents, 3, 4)
+    cut = trimmed(inputs, torch.tensor([1, 0]), extents, 3, 4)
     assert cut["input_ids"].tolist() == [[4, 5], [0, 1]] and cut["position_ids"].tolist() == [[0, 1]]
     assert cut["labels"].tolist() == [1, 0] and cut["scale"] == 2.0
-    assert _trimmed(inputs, torch.tensor([2]), extents, 3, 4)["input_ids"].tolist() == [[8]]
+    assert trimmed(inputs, torch.tensor([2]), extents, 3, 4)["input_ids"].tolist() == [[8]]

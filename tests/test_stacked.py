@@ -15,7 +15,7 @@ from helpers import (
     wordpiece_tokenizer,
 )
 
-from zo_byzantine import simulation
+from zo_byzantine import batched_clients, local_models
 from zo_byzantine.directions import TorchDirections
 from zo_byzantine.perturbation import COUNTER, ParameterTable, direction_seed, perturbed, stacked
 
@@ -84,7 +84,7 @@ def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path,
     # of a forward (all 4 clients' 8 with shared directions, one client's 8 with per-client directions)
     split_rows = 2 * (8 if directions == "per_client" else 32)
     if split:
-        monkeypatch.setattr(simulation, "STACKED_BYTES", split_rows * simulation.MIN_ROW_BYTES)
+        monkeypatch.setattr(batched_clients, "STACKED_BYTES", split_rows * batched_clients.MIN_ROW_BYTES)
     torch.manual_seed(0)
     model = LogisticRegression().double()
     reference_model = copy.deepcopy(model)
@@ -92,7 +92,7 @@ def test_auto_stacks_a_linear_model_and_equals_one_direction_at_a_time(tmp_path,
     reference, reference_passes = _run(tmp_path / "ref", reference_model, zo_schedule="two_forwards",
                                        directions=directions)
     assert trainer.schedule.stack is True and reference.schedule.stack is False
-    unsplit_rows = simulation.STACKED_BYTES // simulation.MIN_ROW_BYTES
+    unsplit_rows = batched_clients.STACKED_BYTES // batched_clients.MIN_ROW_BYTES
     assert trainer.schedule.stack_rows == (split_rows if split else unsplit_rows)
     got = torch.tensor([r["coefficients"] for r in trainer.ledger.rounds])
     expected = torch.tensor([r["coefficients"] for r in reference.ledger.rounds])
@@ -140,8 +140,8 @@ def test_auto_stacks_clients_of_a_bert_and_equals_client_by_client(tmp_path, mon
     forward per client (float64), with each step's direction drawn once for all clients. From the second round
     the embedding tables' local models are kept at the rows each client reads."""
     calls = []
-    by_rows = simulation.LocalModels.perturbed_rows
-    monkeypatch.setattr(simulation.LocalModels, "perturbed_rows",
+    by_rows = local_models.LocalModels.perturbed_rows
+    monkeypatch.setattr(local_models.LocalModels, "perturbed_rows",
                         lambda self, *a: calls.append(a[0]) or by_rows(self, *a))
     tokenizer = wordpiece_tokenizer()  # one for both runs: their examples must be the same tokens
     trainer, model, passes = _bert_run(tmp_path / "auto", tokenizer, "auto", num_perturbations=num_perturbations)
@@ -166,10 +166,10 @@ def test_local_models_kept_by_rows_are_the_bits_of_whole_ones():
     of the whole local model's, every other tensor is the same, and ``materialize`` gives the whole tensors."""
     model = tiny_bert(vocab_size=60)
     table = ParameterTable(model)
-    rows_only = simulation.rows_only_parameters(table)
+    rows_only = local_models.rows_only_parameters(table)
     assert {table.names[j] for j in rows_only} == {f"bert.embeddings.{e}_embeddings.weight"
                                                    for e in ("word", "position", "token_type")}
-    whole, by_rows = simulation.LocalModels(table, 3), simulation.LocalModels(table, 3, rows_only)
+    whole, by_rows = local_models.LocalModels(table, 3), local_models.LocalModels(table, 3, rows_only)
     seeds = [direction_seed(4, 0, step, 0) for step in range(4)]
     rows = [torch.tensor([0, 5, 17, 59]), torch.tensor([1]), torch.tensor([0, 2, 3])]
     # steps 1-3, then client models that do not extend the held ones (each starts again from w)
@@ -285,9 +285,9 @@ def test_only_plain_untied_unnested_embeddings_are_kept_by_rows():
                                  "head": torch.nn.Linear(3, 9)})
     model["head"].weight = model["tied"].weight  # tied to a linear layer: read whole
     table = ParameterTable(model)
-    assert {table.names[j] for j in simulation.rows_only_parameters(table)} == {"plain.weight"}
+    assert {table.names[j] for j in local_models.rows_only_parameters(table)} == {"plain.weight"}
     # the torch generator draws a whole tensor for any of its rows: nothing is kept by rows
-    assert simulation.rows_only_parameters(ParameterTable(model, TorchDirections())) == set()
+    assert local_models.rows_only_parameters(ParameterTable(model, TorchDirections())) == set()
 
 
 def _client_by_client(model, table, inputs, groups, bases):

@@ -64,13 +64,13 @@ def test_logged_loss_is_the_mean_honest_loss_of_the_window(tmp_path):
     losses = []
     original = trainer.server.aggregate if trainer.server else None
     assert original is None  # the server is built with the optimizer, inside train()
-    record = trainer.record
+    record = trainer.round_log.record
 
     def spy(downlink):
         losses.append(downlink.loss)
         record(downlink)
 
-    trainer.record = spy
+    trainer.round_log.record = spy
     output = trainer.train()
     logged = [e["loss"] for e in trainer.state.log_history if "skipped_rounds" in e]
     assert logged == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-12)

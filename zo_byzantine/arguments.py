@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 
 from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
-from .checks import check_sizing
+from .context import SizingError
 from .directions import DISTRIBUTIONS, GENERATORS, build_directions
 from .estimators import ESTIMATORS
 from .federation import PARTITIONS
@@ -259,6 +259,23 @@ class ZOByzantineArguments(TrainingArguments):
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
         return self.num_byzantine if self.max_byzantine_per_round is None else self.max_byzantine_per_round
 
+    def check_sizing(self, rule) -> None:
+        """Refuse a pipeline that cannot hold for the vectors of a round: ``m = clients_per_round`` (or ``n``)
+        vectors, ``f = min(max_byzantine_per_round or b, m)`` of them Byzantine."""
+        m = self.clients_per_round or self.num_clients
+        f = min(self.byzantine_bound(), m)
+        try:
+            rule.check(m, f)
+        except SizingError as err:
+            bound = f"max_byzantine_per_round={self.max_byzantine_per_round}" \
+                if self.max_byzantine_per_round is not None else f"num_byzantine={self.num_byzantine}"
+            raise ValueError(
+                f"aggregator={rule.name!r} cannot hold for the vectors of a round: clients_per_round="
+                f"{self.clients_per_round} (m={m} vectors), num_byzantine={self.num_byzantine}, bound f={f} "
+                f"({bound}): {err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round "
+                "(0 <= f <= b)."
+            ) from err
+
     def validate_numbers(self) -> None:
         """Every numeric field: its type and range, naming the field and what is accepted."""
         check_real("learning_rate", self.learning_rate, 0.0, MAX_LEARNING_RATE)
@@ -350,7 +367,7 @@ class ZOByzantineArguments(TrainingArguments):
         if self.attack != "none" and b == 0:
             raise ValueError(f"attack={self.attack!r} needs Byzantine clients: set num_byzantine >= 1.")
         # build once so that parameters and sizing are checked now, not at the first round
-        check_sizing(self, build_aggregator(self.aggregator, self.pre_aggregators, **self.aggregator_kwargs))
+        self.check_sizing(build_aggregator(self.aggregator, self.pre_aggregators, **self.aggregator_kwargs))
         build_attack(self.attack, **self.attack_kwargs)
         if self.gradient_accumulation_steps != 1:
             raise ValueError(

@@ -301,3 +301,18 @@ def build_attack(attack, **kwargs) -> Attack:
     if not isinstance(attack, str):
         raise TypeError(f"attack: {attack!r} is neither a registered name nor an Attack (zo_byzantine.Attack).")
     return ATTACKS.build(attack, "attack_kwargs", **kwargs)
+
+
+def model_num_labels(model) -> int | None:
+    """The model's number of classes (``num_labels`` or ``config.num_labels``), if it says."""
+    return getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None)
+
+
+def flip_labels(inputs: dict, rows: torch.Tensor, num_classes: int | None) -> dict:
+    """Label flipping on the Byzantine clients' ``rows``: ``y -> C - 1 - y`` (ignored labels kept)."""
+    labels = inputs.get("labels")
+    if labels is None or labels.dim() != 1:
+        raise ValueError("attack='lf' needs class labels of shape [batch] in the inputs.")
+    if not num_classes:
+        raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
+    return {**inputs, "labels": torch.where(rows & (labels >= 0), num_classes - 1 - labels, labels)}

@@ -6,11 +6,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .aggregators import Chain
-from .attacks import Attack
-from .context import SizingError
+from .attacks import Attack, model_num_labels
 from .federation import Federation, dataset_labels, partition_dataset
-from .simulation import model_num_labels
 
 if TYPE_CHECKING:
     from .arguments import ZOByzantineArguments
@@ -18,21 +15,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def check_sizing(args: ZOByzantineArguments, rule: Chain) -> None:
-    """Refuse a pipeline that cannot hold for the vectors of a round: ``m = clients_per_round`` (or ``n``)
-    vectors, ``f = min(max_byzantine_per_round or b, m)`` of them Byzantine."""
-    m = args.clients_per_round or args.num_clients
-    f = min(args.byzantine_bound(), m)
-    try:
-        rule.check(m, f)
-    except SizingError as err:
-        bound = f"max_byzantine_per_round={args.max_byzantine_per_round}" if args.max_byzantine_per_round is not None \
-            else f"num_byzantine={args.num_byzantine}"
+def check_processes_and_objects(args: ZOByzantineArguments, aggregator, attack) -> None:
+    """One device per process, at least one client per process, and no ``*_kwargs`` beside a rule or attack object
+    given to the trainer (they would be ignored)."""
+    if args.n_gpu > 1:
         raise ValueError(
-            f"aggregator={rule.name!r} cannot hold for the vectors of a round: clients_per_round="
-            f"{args.clients_per_round} (m={m} vectors), num_byzantine={args.num_byzantine}, bound f={f} ({bound}): "
-            f"{err} Sample more clients, lower num_byzantine, or set max_byzantine_per_round (0 <= f <= b)."
-        ) from err
+            "ZOByzantineTrainer uses one device per process: launch one process per GPU "
+            "(accelerate launch / torchrun) instead of DataParallel (n_gpu > 1)."
+        )
+    if (args.clients_per_round or args.num_clients) < args.world_size:
+        raise ValueError(
+            f"clients_per_round={args.clients_per_round or args.num_clients} must be >= the number of "
+            f"processes ({args.world_size}): each process evaluates a share of the clients."
+        )
+    objects = ((aggregator, args.aggregator_kwargs, "aggregator"), (attack, args.attack_kwargs, "attack"))
+    for given, kwargs, name in objects:
+        if given is not None and kwargs:
+            raise ValueError(f"{name}_kwargs={kwargs!r} would be ignored: an {name} object was passed to the "
+                             "trainer (configure the object instead).")
 
 
 def check_dense_memory(args: ZOByzantineArguments, d: int) -> None:

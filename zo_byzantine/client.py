@@ -2,7 +2,7 @@
 
 ``client_reports(plan, clients, table, ids, sizes)`` runs the round's local steps for the clients ``ids``
 and returns one :class:`Report` each. ``clients`` evaluates them (all together in one batched forward
-when their terms agree; see ``simulation.BatchedClients``): ``losses(terms_per_client) -> Tensor[m]``
+when their terms agree; see ``batched_clients.BatchedClients``): ``losses(terms_per_client) -> Tensor[m]``
 (client ``i`` at ``w + sum terms_i``), ``loss_pairs(offsets, seeds, mu) -> (plus, minus)`` (n x nu each) and
 ``gradients(terms_per_client) -> (grads, losses)``. A deployment's client is the case ``ids = [c]``.
 

@@ -9,9 +9,10 @@ hash without overflow checks and recompiles per shape. ``-march=native`` gives t
 
 No compiler, a failed build, a library that does not reproduce the plain-torch path bitwise on a test stream
 (checked at load: a compiler whose default float model is not IEEE), or ``ZO_BYZANTINE_NATIVE=0``:
-``library()`` returns ``None`` (with one warning) and ``directions.py`` uses its plain-torch path, which gives
-the same numbers. The kernel runs in a thread pool whose threads keep the default floating-point mode:
-flushing denormals to zero in the caller (``torch.set_flush_denormal(True)``) is not applied to it.
+``library()`` returns ``None`` (with one warning) and ``directions.py`` uses the plain-torch path
+(``counter.py``), which gives the same numbers. The kernel runs in a thread pool whose threads keep the default
+floating-point mode: flushing denormals to zero in the caller (``torch.set_flush_denormal(True)``) is not applied
+to it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from .counter import counter_stream  # the plain-torch reference the kernel must reproduce
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +107,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _self_check(lib: ctypes.CDLL) -> None:
     """The loaded kernel must give the plain-torch path's bits (ValueError otherwise)."""
-    from .directions import counter_stream  # the reference; imports this module
-
     n, keys, coeffs = 10_001, [0x0123456789ABCDEF, 42], [1e-3, -2.5]
     for gaussian, name in ((True, "gaussian"), (False, "rademacher")):
         z = torch.empty(n)

@@ -10,41 +10,35 @@ Hugging Face glue only: it drives the protocol's two roles in one process (SPEC 
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 
-import safetensors.torch
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
-from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .aggregators import build_aggregator
 from .arguments import ZOByzantineArguments
-from .attacks import build_attack
+from .attacks import build_attack, flip_labels, model_num_labels
+from .batched_clients import BatchedClients
 from .card import rewrite_card
-from .checks import build_federation, check_dense_memory, check_label_flipping, check_sizing
+from .checkpoints import continue_from_best, refuse_finished_checkpoint, resume_ledger, save_plain_model
+from .checks import build_federation, check_dense_memory, check_label_flipping, check_processes_and_objects
+from .chunks import forward_chunks
 from .client import client_reports
-from .directions import COUNTER, build_directions
+from .directions import build_directions
 from .federation import FederatedBatchSampler, Federation
-from .ledger import LEDGER_NAME, Ledger, LedgerError
+from .ledger import Ledger
 from .losses import PerExampleForward
-from .messages import Downlink, Plan, Report
+from .messages import Plan, Report
 from .optim import ZOOptimizer
 from .perturbation import ParameterTable
+from .round_log import RoundLog
+from .schedule import Schedule
 from .server import Server
-from .simulation import BatchedClients, Schedule, flip_labels, forward_chunks, model_num_labels
 
 logger = logging.getLogger(__name__)
-
-WINDOW_KEYS = ("rounds", "skipped_rounds", "nonfinite_values", "rejected_reports", "loss_sum", "loss_count")
-PER_APPLIED_ROUND = ("aggregate_shift", "honest_mean_norm")  # logged as means over applied rounds
-# averaged over the uplinks that reported them; other diagnostics summed
-LOG_NAMES = {"omega": "attack_omega", "lambda": "attack_lambda"}
 
 
 class ZOByzantineTrainer(Trainer):
@@ -62,23 +56,9 @@ class ZOByzantineTrainer(Trainer):
         zo = self.args
         if not isinstance(zo, ZOByzantineArguments):
             raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(zo).__name__}.")
-        if zo.n_gpu > 1:
-            raise ValueError(
-                "ZOByzantineTrainer uses one device per process: launch one process per GPU "
-                "(accelerate launch / torchrun) instead of DataParallel (n_gpu > 1)."
-            )
-        if (zo.clients_per_round or zo.num_clients) < zo.world_size:
-            raise ValueError(
-                f"clients_per_round={zo.clients_per_round or zo.num_clients} must be >= the number of "
-                f"processes ({zo.world_size}): each process evaluates a share of the clients."
-            )
-        objects = ((aggregator, zo.aggregator_kwargs, "aggregator"), (attack, zo.attack_kwargs, "attack"))
-        for given, kwargs, name in objects:
-            if given is not None and kwargs:
-                raise ValueError(f"{name}_kwargs={kwargs!r} would be ignored: an {name} object was passed to the "
-                                 "trainer (configure the object instead).")
+        check_processes_and_objects(zo, aggregator, attack)
         self.aggregator = build_aggregator(aggregator or zo.aggregator, zo.pre_aggregators, **zo.aggregator_kwargs)
-        check_sizing(zo, self.aggregator)  # also for a rule object passed here
+        zo.check_sizing(self.aggregator)  # also for a rule object passed here
         self.attack = build_attack(attack or zo.attack, **zo.attack_kwargs)
         if type(self).compute_loss is not Trainer.compute_loss and type(self).per_example_losses is \
                 ZOByzantineTrainer.per_example_losses:
@@ -100,9 +80,7 @@ class ZOByzantineTrainer(Trainer):
         self.forward_per_example = PerExampleForward()
         self.schedule = Schedule(zo.zo_schedule, zo.zo_cache_budget_gb)
         self._checked_reach = False
-        self._window = self._empty_window()
-        self._run_loss = {"loss_sum": 0.0, "loss_count": 0}  # for train_loss: NaN, not 0, if no round computed one
-        self._drawn_at_log = COUNTER.drawn
+        self.round_log = RoundLog()  # the logging window and train_loss (NaN, not 0, if no round computed one)
 
     # ----- set-up: optimizer, clients' data -------------------------------------------------
 
@@ -218,7 +196,7 @@ class ZOByzantineTrainer(Trainer):
             downlink = self.server.aggregate(plan, self.gather_reports(plan, reports), lr, byzantine)
         self.zo_optimizer.stage_downlink(downlink, cache)
         self.ledger.append(downlink)
-        self.record(downlink)
+        self.round_log.record(downlink)
         if downlink.skipped:
             logger.warning("Round %d skipped (%s); the model is left unchanged.", t, downlink.skipped)
         elif not self._checked_reach and self.table.reached:
@@ -248,57 +226,17 @@ class ZOByzantineTrainer(Trainer):
             for i, c in enumerate(plan.participants)
         ]
 
-    @staticmethod
-    def _empty_window() -> dict:
-        return {**dict.fromkeys(WINDOW_KEYS, 0), "diagnostics": {}}
-
-    def record(self, downlink: Downlink) -> None:
-        """Add a round to the logging window: skipped, non-finite values, rejected reports, the diagnostics of
-        the rule and the attack (sums and counts per name)."""
-        window = self._window
-        window["rounds"] += 1
-        window["skipped_rounds"] += int(bool(downlink.skipped))
-        window["nonfinite_values"] += downlink.nonfinite
-        window["rejected_reports"] += downlink.rejected
-        if math.isfinite(downlink.loss):  # the honest loss, also of a skipped round when it was computed
-            for totals in (window, self._run_loss):
-                totals["loss_sum"] += downlink.loss
-                totals["loss_count"] += 1
-        if downlink.skipped:
-            return
-        for found in downlink.diagnostics:
-            for name, value in found.items():
-                total = window["diagnostics"].setdefault(name, [0.0, 0])
-                total[0] += value
-                total[1] += 1
-
     # ----- logs, communication, checkpoints ---------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Training logs: honest loss, communication, skipped rounds, non-finite values; no ``grad_norm``."""
         logs.pop("grad_norm", None)
-        window = self._window
         if "train_loss" in logs:
-            logs["train_loss"] = self.mean_loss(self._run_loss)
-        if "loss" in logs and window["rounds"] and self.table is not None:
-            logs["loss"] = self.mean_loss(window)  # the Trainer's would count skipped rounds as 0
-            logs.update(self.server.communication(self.federation.clients_per_round, self.state.global_step))
-            applied = max(window["rounds"] - window["skipped_rounds"], 1)
-            for name in ("skipped_rounds", "nonfinite_values", "rejected_reports"):
-                logs[name] = int(window[name])
-            for name, (total, count) in window["diagnostics"].items():
-                if name in PER_APPLIED_ROUND:
-                    logs[name] = total / applied  # mean per applied round of the sum over its uplinks
-                elif name in LOG_NAMES:
-                    logs[LOG_NAMES[name]] = total / count
-                else:
-                    logs[name] = int(total) if float(total).is_integer() else total
-            # Gaussian numbers drawn since the last log (perturbed forwards and updates), in units of d
-            logs["generator_passes_per_round"] = (COUNTER.drawn - self._drawn_at_log) / (
-                window["rounds"] * self.table.numel
-            )
-            self._window = self._empty_window()
-            self._drawn_at_log = COUNTER.drawn
+            logs["train_loss"] = self.round_log.run_mean()
+        if "loss" in logs and self.table is not None:
+            communication = self.server.communication(self.federation.clients_per_round, self.state.global_step) \
+                if self.round_log.window["rounds"] else {}
+            logs.update(self.round_log.window_logs(communication, self.table.numel))
         super().log(logs, start_time)
         if "loss" in logs:  # the progress bar shows rounds with the honest loss
             for callback in self.callback_handler.callbacks:
@@ -306,17 +244,14 @@ class ZOByzantineTrainer(Trainer):
                     callback.training_bar.set_postfix(honest_loss=f"{logs['loss']:.4f}", refresh=False)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """A model that is not a ``PreTrainedModel`` (e.g. a wrapper around one with tied weights) is saved with
-        ``safetensors.torch.save_model``, which stores shared tensors once (``save_file`` refuses them)."""
+        """A model that is not a ``PreTrainedModel`` is saved by :func:`checkpoints.save_plain_model` (shared
+        tensors once)."""
         model = self.accelerator.unwrap_model(self.model)
         if state_dict is not None or isinstance(model, PreTrainedModel) or hasattr(model, "peft_config"):
             return super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-            safetensors.torch.save_model(model, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            save_plain_model(model, output_dir if output_dir is not None else self.args.output_dir,
+                             self.processing_class)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model as ``Trainer`` does, and the ledger beside it."""
@@ -325,24 +260,10 @@ class ZOByzantineTrainer(Trainer):
             self.ledger.save(output_dir or self.args.output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """Resume: the checkpoint's ledger continues (it holds the run's start fingerprint and rounds 0..t-1);
-        a checkpoint without one is refused, since the final ledger could not replay the run."""
+        """Resume: the checkpoint's ledger continues (:func:`checkpoints.resume_ledger`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self.ledger is None:
-            return
-        if not os.path.isfile(os.path.join(checkpoint, LEDGER_NAME)):
-            raise LedgerError(
-                f"Checkpoint {checkpoint!r} has no {LEDGER_NAME}: resuming would write a ledger that cannot replay "
-                "the run. Restore the file from the run's output directory (or start a new run)."
-            )
-        self.ledger.continue_from(Ledger.read(checkpoint))
-        done = [r["loss"] for r in self.ledger.rounds if r.get("loss") is not None]  # train_loss as uninterrupted
-        self._run_loss = {"loss_sum": float(sum(done)), "loss_count": len(done)}
-        if len(self.ledger.rounds) != self.state.global_step:
-            raise LedgerError(
-                f"Checkpoint {checkpoint!r}: its ledger holds {len(self.ledger.rounds)} rounds, its trainer state "
-                f"{self.state.global_step}."
-            )
+        if checkpoint is not None and self.ledger is not None:
+            self.round_log.restart(resume_ledger(self.ledger, checkpoint, self.state.global_step))
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The Trainer's card, with the optimizer and batch lines made true and the federation described."""
@@ -354,38 +275,15 @@ class ZOByzantineTrainer(Trainer):
             rewrite_card(path, self.args, self.state.global_step, self.server.scalars_per_client(m)[0],
                          self.table.numel, digest)
 
-    @staticmethod
-    def mean_loss(totals: dict) -> float:
-        return totals["loss_sum"] / totals["loss_count"] if totals["loss_count"] else math.nan
-
-    def _refuse_finished_checkpoint(self, resume_from_checkpoint) -> None:
-        """A checkpoint already at ``max_steps`` leaves nothing to train, but the Trainer's loop would still run one
-        more round before it checks (a re-run of a finished job would add a round each time): refused instead."""
-        checkpoint = resume_from_checkpoint
-        if checkpoint is True and os.path.isdir(self.args.output_dir):  # the Trainer's "the last one"
-            checkpoint = get_last_checkpoint(self.args.output_dir)
-        if not isinstance(checkpoint, str) or self.args.max_steps <= 0:
-            return
-        try:
-            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-                step = json.load(f)["global_step"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # the Trainer's own loading reports what is wrong with it
-        if isinstance(step, int) and step >= self.args.max_steps:
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the checkpoint is at round {step}, "
-                             f"max_steps={self.args.max_steps}; nothing is left to train (accepted: a checkpoint "
-                             f"before round max_steps, or a larger max_steps to continue the run).")
-
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self._refuse_finished_checkpoint(resume_from_checkpoint)
-        self._run_loss = {"loss_sum": 0.0, "loss_count": 0}
+        refuse_finished_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.max_steps)
+        self.round_log.restart()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        best = self.state.best_model_checkpoint
-        if self.args.load_best_model_at_end and best and os.path.isfile(os.path.join(best, LEDGER_NAME)):
-            self.ledger.continue_from(Ledger.read(best))  # the loaded weights' ledger, not the last round's
+        if self.args.load_best_model_at_end:
+            continue_from_best(self.ledger, self.state.best_model_checkpoint)
         if self.ledger is not None and self.args.should_save:
             self.ledger.save(self.args.output_dir)
-        loss = self.mean_loss(self._run_loss)
+        loss = self.round_log.run_mean()
         return output._replace(training_loss=loss, metrics={**output.metrics, "train_loss": loss})
 
 

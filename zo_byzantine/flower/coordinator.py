@@ -27,7 +27,6 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from ..aggregators import build_aggregator
-from ..checks import check_sizing
 from ..federation import Federation
 from ..ledger import Ledger
 from ..server import Server
@@ -61,7 +60,7 @@ class Coordinator:
         args = deployment.args
         self.deployment, self.task, self.clock = deployment, task, clock
         rule = build_aggregator(args.aggregator, args.pre_aggregators, **args.aggregator_kwargs)
-        check_sizing(args, rule)
+        args.check_sizing(rule)
         self.replica = Replica(task.model, args)
         self.server = Server(args.protocol_settings(), rule, self.replica.table)
         self.ledger = Ledger(self.replica.optimizer)

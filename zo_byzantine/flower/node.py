@@ -21,11 +21,14 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from transformers import default_data_collator
 
+from ..attacks import flip_labels, model_num_labels
+from ..batched_clients import BatchedClients
 from ..checks import build_federation, check_label_flipping
+from ..chunks import forward_chunks
 from ..client import client_reports
 from ..context import RoundContext
 from ..losses import PerExampleForward
-from ..simulation import BatchedClients, Schedule, flip_labels, forward_chunks, model_num_labels
+from ..schedule import Schedule
 from .config import Deployment, Node, Task
 from .replica import Replica
 from .wire import catch_up_content, read_plan, report_content

@@ -1,31 +1,11 @@
-"""The round's participants of one process, evaluated together (SPEC 7): what ``client.client_reports``
-calls ``clients``.
+"""The per-client forward engine: the round's participants of one process, evaluated together (SPEC 7), what
+``client.client_reports`` calls ``clients``; the trainer (every participant) and a Flower node (its own client)
+use it alike.
 
 Every participant's examples are stacked in one batch; losses at ``w + sum_k c_k z_k`` come from one
 batched forward per sign when all clients share their terms (one per client otherwise), split per client
-by ``client_of_example``. Schedules of the two-point pair (``zo_schedule``), all exact (the losses of
-two_forwards, bitwise for cached):
-
-    two_forwards  two forwards, z drawn (fused into p + c z) for each and for the update: 3 passes
-    cached        z drawn once per round and kept (nu d values) for the second forward and the update
-    antithetic    one forward of the doubled batch [x; x], each module drawing z once for +mu and -mu
-                  (checked against two forwards at its first round; two_forwards if it does not match)
-    auto          two_forwards when the generator draws and adds in one fused pass (regenerating z costs
-                  less than reading it back) and a forward is one chunk; else cached when the round's directions fit
-                  ``zo_cache_budget_gb``; else two_forwards. And, when the clients share their model and 2 nu
-                  copies of the trainable weights fit the budget, the 2 nu evaluations of a step in stacked
-                  forwards (``perturbation.stacked``) if a shared input meets every direction's weights in one
-                  matrix product (a first ``nn.Linear``: MLPs, logistic regression) and they give the
-                  one-direction-at-a-time losses at the first round. And, when the clients hold different
-                  models (local steps after the first, per-client directions) and their local models fit the
-                  budget, all clients in one forward (``stacked_clients``: a batched product per linear layer,
-                  the rows each client reads of each embedding table) if it gives the client-by-client losses at
-                  its first use
-
-``zo_group_by_length``: the forwards' chunks hold examples of similar length, each cut to its longest example
-(:func:`token_extents`), and their per-example losses are put back in the examples' order: the same losses up to
-rounding, without the forwards over the round's padding. ``auto`` keeps the round's directions (cached, when they
-fit the budget) when a forward is split into chunks, since a fused draw is made again for every chunk. The
+by ``client_of_example``. The pair's schedule (``schedule.Schedule``) decides how directions are drawn; the
+forward chunks come from ``chunks``; local steps after the first advance ``local_models.LocalModels``. The
 stacked-clients forward (local steps after the first) runs whole, padded as given.
 """
 
@@ -38,218 +18,16 @@ from collections.abc import Callable
 
 import torch
 
-from .losses import IGNORE_INDEX, client_losses, per_example_loss
-from .perturbation import ParameterTable, Terms, antithetic, kept_buffer, perturbed, stacked
+from .chunks import chunk_size, rows_of, slice_rows, token_extents, trimmed
+from .local_models import LocalModels, rows_only_parameters
+from .losses import client_losses, per_example_loss
+from .perturbation import ParameterTable, Terms, antithetic, perturbed, stacked
+from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
 STACKED_BYTES = 2**30  # the activations of one stacked forward (module outputs, measured per row by the probe)
 MIN_ROW_BYTES = 1024  # a row's activations when the probe sees no tensor output
-
-
-RESOLVES_TO = {"auto": ("two_forwards", "cached"), "antithetic": ("two_forwards",)}  # after their checks
-
-
-class Schedule:
-    """The two-point schedule of a run; ``"auto"`` resolves at the first round and stays resolved.
-
-    Args:
-        name: ``zo_schedule``.
-        cache_budget_gb: ``zo_cache_budget_gb``, the memory ``auto`` may spend on keeping a round's directions.
-    """
-
-    def __init__(self, name: str, cache_budget_gb: float = 0.0):
-        self.name, self.cache_budget_gb = name, cache_budget_gb
-        self.setting = (name, float(cache_budget_gb))  # zo_schedule and zo_cache_budget_gb as given
-        self.verified = name != "antithetic"  # antithetic is checked against two forwards once
-        self.stack = None if name == "auto" else False  # stacked directions: decided and checked at a first step
-        self.stack_rows = 0  # examples x models of one stacked forward (from the probe, when stacked)
-        self.stack_clients = None if name == "auto" else False  # clients' local models in one forward: checked once
-        self.rows_only: tuple[int, ...] = ()  # then, the embedding tables the clients' local models keep by rows
-
-    def decisions(self) -> dict:
-        """What the checks decided, as plain values (``None``: not decided yet, left out): a Flower node keeps them
-        in its state so that it checks once per run, as the trainer does, not at every plan."""
-        values = {"format": 1, "for_schedule": self.setting[0], "for_budget": self.setting[1], "name": self.name,
-                  "verified": self.verified, "stack_rows": self.stack_rows, "stack": self.stack,
-                  "stack_clients": self.stack_clients}
-        return {key: value for key, value in values.items() if value is not None}
-
-    @classmethod
-    def restored(cls, name: str, cache_budget_gb: float, decisions=None) -> Schedule:
-        """A schedule for ``zo_schedule=name`` carrying ``decisions`` (from :meth:`decisions` of a schedule of the
-        same settings; anything else, or values of other types, is ignored and checked again)."""
-        schedule = cls(name, cache_budget_gb)
-        decisions = dict(decisions or {})
-        settings = (decisions.get("format"), decisions.get("for_schedule"), decisions.get("for_budget"))
-        if settings != (1, *schedule.setting):
-            return schedule
-        verified = decisions.get("verified")
-        if (decisions.get("name") not in {name, *RESOLVES_TO.get(name, ())} or type(verified) is not bool
-                or (not verified and name != "antithetic")):  # only antithetic starts unchecked
-            return schedule
-        schedule.name, schedule.verified = decisions["name"], decisions["verified"]
-        if name == "auto":
-            for key, kind in (("stack", bool), ("stack_clients", bool), ("stack_rows", int)):
-                if type(decisions.get(key)) is kind:
-                    setattr(schedule, key, decisions[key])
-        return schedule
-
-    def _fits(self, table: ParameterTable, copies: int) -> bool:
-        return copies * sum(p.numel() * p.element_size() for p in table.params) <= self.cache_budget_gb * 2**30
-
-    def keeps_local_models(self, table: ParameterTable, num_clients: int) -> bool:
-        """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each, and one
-        scratch copy) fit ``cache_budget_gb``: then local steps advance each client's model instead of
-        regenerating its terms."""
-        if any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
-            return False  # a half-precision local model would be rounded at every step
-        return self._fits(table, num_clients + 1)
-
-    def resolve(self, table: ParameterTable, num_directions: int, chunks: int = 1) -> str:
-        """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters in
-        forwards of ``chunks`` chunks each (:func:`forward_chunks`): a fused draw is regenerated per chunk, so
-        split forwards keep the round's directions when they fit."""
-        if self.name == "auto":  # decided once, at the first round
-            directions = table.directions
-            kept_bytes = directions.kept_bytes(table.params) * num_directions
-            fused = all(directions.fused(p) for p in table.params)
-            fits = kept_bytes <= self.cache_budget_gb * 2**30
-            self.name = "cached" if fits and (not fused or chunks > 1) else "two_forwards"
-            logger.info("zo_schedule='auto': %s (fused draws: %s; %d chunks per forward; the round's directions "
-                        "take %.3g GB, zo_cache_budget_gb=%g).", self.name, fused, chunks, kept_bytes / 2**30,
-                        self.cache_budget_gb)
-        return self.name
-
-
-class LocalModels:
-    """The clients' local models within a round, ``w_i = w + sum_k c_{i,k} z_k`` (their earlier local steps), kept
-    as one tensor ``[m, ...]`` per parameter and advanced in place by the terms added since the last call: a
-    forward at local step ``l`` then draws its perturbation only (``nu`` terms per advance), not the ``l nu``
-    terms of its model (SPEC 1.5); with shared directions each is drawn once for all clients (``cache``). Equal to
-    the regenerated sum up to rounding (the sum is accumulated in a different order).
-
-    ``rows_only``: parameters read by rows alone (embedding tables, when the clients are stacked): kept only at
-    the rows each client reads (:meth:`perturbed_rows`), by the same arithmetic as the whole tensor, so the same
-    bits; :meth:`materialize` forms them whole when a plain forward needs them.
-    """
-
-    def __init__(self, table: ParameterTable, num_clients: int, rows_only=frozenset()):
-        self.table, self.m = table, num_clients
-        self.rows_only = set(rows_only)
-        self.held: list[tuple] = [() for _ in range(num_clients)]  # the terms each client's weights hold
-        self.steps: list[list[Terms]] = [[] for _ in range(num_clients)]  # each client's advances, in order
-        self.weights: list[torch.Tensor | None] | None = None  # per parameter [m, ...]; None: rows only
-        self.scratch: dict = {}  # per parameter, one copy (when drawing into a cache)
-        self.row_models: dict = {}  # (index, client) -> (its rows, its model there, advances applied)
-        self.row_draws: dict = {}  # (seed, index, client) -> (its rows, z there)
-
-    def _extends(self, client: int, terms) -> bool:
-        """Whether ``terms`` extend the terms client ``client``'s weights hold."""
-        return tuple(terms[: len(self.held[client])]) == self.held[client]
-
-    def _copies(self, param: torch.Tensor) -> torch.Tensor:
-        return param.detach().unsqueeze(0).repeat(self.m, *[1] * param.dim())
-
-    def pending(self, terms_per_client: list[Terms]) -> list[Terms]:
-        """The terms each client's weights still lack for ``terms_per_client`` (all of them when not an extension)."""
-        return [list(terms[len(self.held[i]):]) if self._extends(i, terms) else list(terms)
-                for i, terms in enumerate(terms_per_client)]
-
-    def advance(self, terms_per_client: list[Terms], cache: dict | None = None,
-                keep=frozenset()) -> list[torch.Tensor | None] | None:
-        """Every client's weights ``w + sum terms_i`` (per parameter ``[m, ...]``; ``None`` for a parameter kept by
-        rows), or ``None`` when all terms are empty (``w`` itself). A direction several clients add is drawn once
-        into ``cache`` (and dropped after each tensor unless its seed is in ``keep``); one a single client adds is
-        drawn and added in place by the generator's fused pass."""
-        terms_per_client = [tuple(terms) for terms in terms_per_client]
-        if not any(terms_per_client):
-            return None
-        params = [p.detach() for p in self.table.params]
-        if self.weights is None:
-            self.weights = [None if j in self.rows_only else self._copies(p) for j, p in enumerate(params)]
-        new = []
-        for i, terms in enumerate(terms_per_client):
-            if not self._extends(i, terms):  # not an extension of the model held: start again from w
-                for w, p in zip(self.weights, params, strict=True):
-                    if w is not None:
-                        w[i].copy_(p)
-                self.held[i], self.steps[i] = (), []
-                for key in [key for key in self.row_models if key[1] == i]:
-                    del self.row_models[key]
-            new.append(list(terms[len(self.held[i]):]))
-            self.held[i] = terms
-            if new[i]:
-                self.steps[i].append(new[i])
-        directions = self.table.directions
-        uses = Counter(seed for terms in new for seed, _ in terms)
-        for j, w in enumerate(self.weights):
-            if w is None:
-                continue
-            for i, terms in enumerate(new):
-                if terms and cache is not None and any(uses[seed] > 1 for seed, _ in terms):
-                    scratch = kept_buffer(self.scratch, j, params[j])  # the sum into kept memory: none new per step
-                    w[i].add_(directions.total(scratch, j, terms, cache, out=scratch))
-                elif terms:
-                    directions.step_(w[i], j, terms, lr=-1.0)  # w_i + sum c z, the same arithmetic
-            if cache is not None:
-                for seed in uses:
-                    if seed not in keep:
-                        cache.pop((seed, j), None)
-        return self.weights
-
-    def materialize(self) -> list[torch.Tensor] | None:
-        """The weights with every parameter kept whole (those kept by rows formed from ``w`` and the advances)."""
-        for j in sorted(self.rows_only):
-            self.rows_only.discard(j)
-            if self.weights is None:
-                continue
-            self.weights[j] = self._copies(self.table.params[j])
-            for i in range(self.m):
-                for terms in self.steps[i]:
-                    self.table.directions.step_(self.weights[j][i], j, terms, lr=-1.0)
-        return self.weights
-
-    def _draws(self, index: int, client: int, rows: torch.Tensor, terms: Terms) -> dict:
-        """``z[rows]`` of each direction of ``terms``, drawn at those rows only, kept for the round."""
-        directions, like, out = self.table.directions, self.table.params[index], {}
-        for seed, _ in terms:
-            held = self.row_draws.get((seed, index, client))
-            if held is None or not torch.equal(held[0], rows):
-                held = (rows, directions.draw_rows(like, seed, index, rows))
-                self.row_draws[(seed, index, client)] = held
-            out[(seed, index)] = held[1]
-        return out
-
-    def perturbed_rows(self, index: int, client: int, rows: torch.Tensor, terms: Terms) -> torch.Tensor:
-        """Rows ``rows`` of client ``client``'s parameter ``index`` (kept by rows) plus ``sum terms``: the bits of
-        ``perturb(its whole local model, terms)[rows]``."""
-        directions = self.table.directions
-        held_rows, model, applied = self.row_models.get((index, client), (None, None, 0))
-        if held_rows is None or not torch.equal(held_rows, rows):
-            model, applied = self.table.params[index].detach()[rows].clone(), 0
-        for step in self.steps[client][applied:]:  # the advances of the whole tensor, on these rows
-            model.add_(directions.total(model, index, step, self._draws(index, client, rows, step)))
-        self.row_models[(index, client)] = (rows, model, len(self.steps[client]))
-        if not terms:
-            return model
-        return directions.perturb(model, index, terms, self._draws(index, client, rows, terms))
-
-
-def rows_only_parameters(table: ParameterTable) -> set[int]:
-    """Trainable parameters read only by rows: the weight of a plain ``nn.Embedding`` (no ``max_norm``), not tied
-    to another module, and not inside another module that owns trainable parameters (which runs once per client
-    with whole weights)."""
-    if not table.directions.draws_rows:  # drawing a table's rows would draw the whole table, per client
-        return set()
-    owners = [module for module, _ in table.owners]
-    found = set()
-    for module, owned in table.owners:
-        plain = type(module).forward is torch.nn.Embedding.forward and "forward" not in module.__dict__
-        nested = any(other is not module and any(m is module for m in other.modules()) for other in owners)
-        if plain and module.max_norm is None and not nested:
-            found.update(index for name, index in owned if name == "weight" and index not in table.tied)
-    return found
 
 
 def _tensor_bytes(value) -> int:
@@ -261,60 +39,6 @@ def _tensor_bytes(value) -> int:
     if isinstance(value, tuple | list):
         return sum(_tensor_bytes(v) for v in value)
     return 0
-
-
-def _rows(inputs: dict) -> int:
-    return next(v.shape[0] for v in inputs.values() if torch.is_tensor(v))
-
-
-def _slice(inputs: dict, start: int, stop: int, total: int) -> dict:
-    return {k: v[start:stop] if torch.is_tensor(v) and v.shape[:1] == (total,) else v for k, v in inputs.items()}
-
-
-def chunk_size(rows: int, forward_batch_size: int, batch: int, group_by_length: bool) -> int:
-    """Examples per forward chunk: ``forward_batch_size``, else a client's ``batch`` when grouped by length, else
-    all ``rows``."""
-    return forward_batch_size or (batch if group_by_length else rows)
-
-
-def forward_chunks(rows: int, forward_batch_size: int, batch: int, group_by_length: bool) -> int:
-    """Forward chunks of ``rows`` examples (:func:`chunk_size` each)."""
-    return -(-rows // max(chunk_size(rows, forward_batch_size, batch, group_by_length), 1))
-
-
-def token_extents(inputs: dict) -> torch.Tensor:
-    """Per example, the columns a forward must keep: ``1 + the last column`` that is attended (``attention_mask``)
-    or a target (token ``labels`` other than -100). The columns after it are right padding, which no kept
-    position attends to and no loss reads: exact (up to rounding) for models that see padding through the
-    attention mask alone (BERT, GPT-2, Llama, ...), not for those that read pad embeddings (convolutions over
-    tokens, Funnel's pooling)."""
-    mask = inputs.get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2:
-        raise ValueError("zo_group_by_length=True needs an `attention_mask` of shape [examples, tokens] in every "
-                         f"batch (a padding collator's); this batch has {sorted(inputs)}.")
-    needed = mask != 0
-    labels = inputs.get("labels")
-    if torch.is_tensor(labels) and labels.shape == mask.shape and not labels.is_floating_point():
-        needed = needed | (labels != IGNORE_INDEX)
-    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return (needed * columns).amax(dim=1)
-
-
-def _trimmed(inputs: dict, rows: torch.Tensor, extents: torch.Tensor, total: int, width: int) -> dict:
-    """Examples ``rows`` of ``inputs``, their token-aligned tensors (``[examples, tokens, ...]``, or ``[1, tokens,
-    ...]`` shared by all, as ``position_ids`` may be) cut to the longest extent among them (at least one column).
-    Float ``labels`` are never cut (multi-label targets ``[examples, labels]``): float token targets are not
-    supported."""
-    keep = max(int(extents[rows].max()), 1)
-    out = {}
-    for key, value in inputs.items():
-        if torch.is_tensor(value) and value.shape[:1] in ((total,), (1,)) and value.dim() >= 1:
-            if value.shape[0] == total:
-                value = value[rows]
-            if value.dim() >= 2 and value.shape[1] == width and not (key == "labels" and value.is_floating_point()):
-                value = value[:, :keep]
-        out[key] = value
-    return out
 
 
 class BatchedClients:
@@ -345,7 +69,7 @@ class BatchedClients:
         direction_batch: int = 0,
         group_by_length: bool = False,
     ):
-        total = _rows(inputs)
+        total = rows_of(inputs)
         if total != num_clients * batch:
             raise ValueError(f"A round's batch has {total} rows; expected {num_clients} clients x {batch} examples.")
         if direction_batch and batch % direction_batch:
@@ -368,19 +92,19 @@ class BatchedClients:
         self.rows = self.rows.repeat_interleave(batch)
 
     def client_inputs(self, i: int) -> dict:
-        return _slice(self.inputs, i * self.batch, (i + 1) * self.batch, self.m * self.batch)
+        return slice_rows(self.inputs, i * self.batch, (i + 1) * self.batch, self.m * self.batch)
 
     def _chunks(self, inputs: dict) -> tuple[list[dict], torch.Tensor | None]:
         """The forward chunks of ``inputs`` and, when grouped by length, the inverse of the order they hold the
         examples in (the chunks' outputs, concatenated, are put back in the examples' order by it)."""
-        total = _rows(inputs)
+        total = rows_of(inputs)
         size = chunk_size(total, self.chunk, self.batch, self.group_by_length)
         if not self.group_by_length:
-            return [_slice(inputs, start, start + size, total) for start in range(0, total, size)], None
+            return [slice_rows(inputs, start, start + size, total) for start in range(0, total, size)], None
         extents = token_extents(inputs)
         order = torch.argsort(extents, stable=True)
         width = inputs["attention_mask"].shape[1]
-        chunks = [_trimmed(inputs, order[s : s + size], extents, total, width) for s in range(0, total, size)]
+        chunks = [trimmed(inputs, order[s : s + size], extents, total, width) for s in range(0, total, size)]
         return chunks, torch.argsort(order)
 
     @staticmethod
@@ -408,7 +132,7 @@ class BatchedClients:
         halves = [[], [], [], []]  # plus sums, plus counts, minus sums, minus counts
         chunks, inverse = self._chunks(inputs)
         for chunk in chunks:
-            n = _rows(chunk)
+            n = rows_of(chunk)
             doubled = {k: torch.cat([v, v]) if torch.is_tensor(v) and v.shape[:1] == (n,) else v
                        for k, v in chunk.items()}
             with antithetic(self.table, base, seed, mu, 2 * n), self.context():
@@ -442,7 +166,7 @@ class BatchedClients:
         direction several clients add, one tensor at a time; each distinct last term, whole), each linear layer's
         stacked weights and their sum (m + 1 copies of its weight and bias, frozen or not); and all examples in
         one forward."""
-        split = self.chunk and self.chunk < _rows(self.inputs)
+        split = self.chunk and self.chunk < rows_of(self.inputs)
         if self.schedule.stack_clients is False or self.local is None or split:
             return False
         if self._sizes is None:  # the same for every step of the round
@@ -579,7 +303,7 @@ class BatchedClients:
         sums, counts = [], []  # per example chunk: [models, rows]
         chunks, inverse = self._chunks(inputs)
         for chunk in chunks:
-            rows = _rows(chunk)
+            rows = rows_of(chunk)
             per = max(1, self.schedule.stack_rows // rows)
             parts = []
             for start in range(0, len(models), per):
@@ -594,7 +318,7 @@ class BatchedClients:
 
     def _stacked_forward(self, inputs: dict, models: list[Terms], usage: dict | None = None):
         """Per-example ``(sums, counts)`` of ``models`` on ``inputs`` (labels repeated per model), model-major."""
-        rows, labels = _rows(inputs), inputs.get("labels")
+        rows, labels = rows_of(inputs), inputs.get("labels")
         if torch.is_tensor(labels) and labels.dim() > 0 and labels.shape[0] == rows:
             inputs = {**inputs, "labels": labels.repeat(len(models), *[1] * (labels.dim() - 1))}
         with stacked(self.table, models, rows, usage), self.context():
@@ -615,7 +339,7 @@ class BatchedClients:
         hooks = [module.register_forward_hook(count) for module in self.model.modules()]
         try:  # a probe first: two unperturbed models (nothing drawn) on one example
             try:
-                self._stacked_forward(_slice(self.inputs, 0, 1, _rows(self.inputs)), [[], []], usage)
+                self._stacked_forward(slice_rows(self.inputs, 0, 1, rows_of(self.inputs)), [[], []], usage)
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -676,18 +400,3 @@ class BatchedClients:
             grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(table.params, found, strict=True)])
             losses.append(loss.detach())
         return grads, torch.stack(losses).double().cpu()
-
-
-def model_num_labels(model) -> int | None:
-    """The model's number of classes (``num_labels`` or ``config.num_labels``), if it says."""
-    return getattr(model, "num_labels", None) or getattr(getattr(model, "config", None), "num_labels", None)
-
-
-def flip_labels(inputs: dict, rows: torch.Tensor, num_classes: int | None) -> dict:
-    """Label flipping on the Byzantine clients' ``rows``: ``y -> C - 1 - y`` (ignored labels kept)."""
-    labels = inputs.get("labels")
-    if labels is None or labels.dim() != 1:
-        raise ValueError("attack='lf' needs class labels of shape [batch] in the inputs.")
-    if not num_classes:
-        raise ValueError("attack='lf' needs the number of classes: set attack_kwargs={'num_classes': C}.")
-    return {**inputs, "labels": torch.where(rows & (labels >= 0), num_classes - 1 - labels, labels)}
