@@ -109,9 +109,12 @@ class LocalDeployment:
         with open(os.path.join(self.home, "config.toml"), "w") as f:
             f.write(f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n'
                     f"{security}\n")
-        self.env = {**os.environ, "FLWR_HOME": self.home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        # Flower's executables next to the running interpreter, also for those the SuperLink and SuperNodes start by
+        # name (flower-superexec): the tests pass with the venv's interpreter whether or not its bin is on PATH
         self.bin = os.path.dirname(sys.executable)
+        self.env = {**os.environ, "FLWR_HOME": self.home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                    "PATH": os.pathsep.join([self.bin, os.environ.get("PATH", "")])}
         self.processes: dict[str, object] = {}
         self.logs: dict[str, str] = {}
         assert shutil.which("flower-superlink", path=self.bin), "flwr is not installed in this environment"
