@@ -1,4 +1,6 @@
-"""Shared set-up for benchmarks: a BERT of all-MiniLM-L6-v2's size, real weights when installed."""
+"""Shared set-up for the benchmarks and for the experiments (``experiments/*/*.py`` put this folder on their path):
+a BERT of all-MiniLM-L6-v2's size, real weights when installed; timing helpers; runs in worker processes; a loader
+of ``examples/*.py``; a progress callback."""
 
 from __future__ import annotations
 

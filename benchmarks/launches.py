@@ -1,7 +1,7 @@
 """Operations (each a kernel launch on an accelerator) of a FedES round's direction draws on the plain-torch path
 (the path of every device but a CPU with the compiled kernel): one direction at a time against drawn together.
 
-    python benchmarks/launches.py            # fedes.py's 784-1024-1024-10 MLP, 10 clients, n_B = 256 (24 directions)
+    python benchmarks/launches.py            # FedES's 784-1024-1024-10 MLP (experiments/fedes/), 10 clients, n_B = 256
     python benchmarks/launches.py --nu 94    # n_B = 64
 
 Per trainable tensor a FedES round draws each client's nu directions for its stacked forward, then the update's
@@ -9,7 +9,7 @@ sum over all m nu directions. "One at a time" is the code before :meth:`Directio
 seed, a sum's directions one by one, chunks of 2^19 pairs; "together": :func:`counter_streams` over all seeds of a
 tensor in chunks of 2^21 pairs (``GPU_CHUNK_PAIRS``). Operations are counted on the ``meta`` device (the same
 calls, no arithmetic). On a lent H100 the draws were launch-bound: about 1.3 ms per ``draw``, 2,880 draws and ~3.9 s
-per round at n_B = 256 (benchmarks/README.md). ``--time_clients N`` also times the draws of N clients both ways,
+per round at n_B = 256 (experiments/fedes/NOTES.md). ``--time_clients N`` also times the draws of N clients both ways,
 interleaved, on ``--device`` (``cuda`` on a GPU; on ``cpu`` the plain path, not the CPU's own compiled kernel).
 """
 

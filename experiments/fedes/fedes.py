@@ -22,9 +22,9 @@ paper's rho_k, but every client uses the same number of directions (the paper's 
 Splits: ``iid``; non-IID (the paper does not say how its split is made): ``dirichlet`` (label proportions from a
 Dirichlet(1) per client: unequal sizes, the server weighting by them) and ``shards`` (two label shards per client).
 
-    python benchmarks/fedes.py --method fedes --n_B 1024 --split iid --minutes 50   # one run (resumes, see below)
-    python benchmarks/fedes.py --report                                            # results/fedes.md from the runs
-    python benchmarks/fedes.py --smoke                                             # CI smoke
+    python experiments/fedes/fedes.py --method fedes --n_B 1024 --split iid --minutes 50  # one run (resumes, below)
+    python experiments/fedes/fedes.py --report                                           # fedes.md from the runs
+    python experiments/fedes/fedes.py --smoke                                            # CI smoke
 
 A run keeps a checkpoint under ``--runs_dir``/tmp/<run> at every evaluation and when its time is up; started again,
 it resumes from there (the trainer's resume: the same trajectory) until ``--rounds``, and writes
@@ -50,7 +50,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
 sys.path.insert(0, HERE)
 from _common import Progress, load_example  # noqa: E402
 
@@ -62,7 +63,7 @@ METHODS = ("fedes", "fedgd")
 SPLITS = ("iid", "dirichlet", "shards")
 SCHEDULES = ("constant", "linear", "cosine")
 STARTED = time.monotonic()
-RESULTS = os.path.join(HERE, "results")
+RESULTS = HERE  # the committed runs and report, beside this script
 LEARNING_RATE = 0.01  # the paper's alpha; constant unless --schedule decays it
 PAPER = {64: (95.64, 95.58), 256: (94.15, 94.13), 1024: (93.76, 93.90)}  # Table I: i.i.d., non-i.i.d. (%)
 LEVELS = (85.0, 90.0, 91.0, 92.0, 93.0, 94.0, 95.0)  # test accuracies (%) whose first round the report lists
@@ -272,9 +273,10 @@ def main(argv=None):
     parser.add_argument("--budget_gb", type=float, default=2.0, help="zo_cache_budget_gb (stacked models, cache)")
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--runs_dir", default=None, help="<run>.json and the checkpoints (tmp/<run>) of each run; "
-                        "default results/fedes_runs (--smoke: a temporary folder)")
+                        "default fedes_runs beside this script (--smoke: a temporary folder)")
     parser.add_argument("--report", action="store_true",
-                        help="write fedes.md from the runs of --runs_dir (results/ for the default), run nothing")
+                        help="write fedes.md from the runs of --runs_dir (this script's folder for the default), "
+                        "run nothing")
     parser.add_argument("--restart", action="store_true",
                         help="train a run whose JSON is there but whose checkpoint is not again from round 0, "
                         "replacing its JSON (refused without it)")
@@ -401,7 +403,7 @@ def report(runs_dir: str, path: str, plots: bool = True) -> list[str]:
     for name, r in named.items():
         lines.append(f"- {name}: " + ", ".join(f"{point[0]}: {100 * point[1]:.1f}" for point in r["curve"]))
     with open(path, "w") as f:
-        f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python benchmarks/fedes.py --report`", ""]
+        f.write("\n".join(["# FedES on MNIST (papers/001, Table I), `python experiments/fedes/fedes.py --report`", ""]
                           + lines) + "\n")
     print("\n".join(lines))
     if plots:

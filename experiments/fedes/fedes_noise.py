@@ -23,8 +23,9 @@ sqrt(E ||g_hat - g||^2)`` (the noise part of ``g_hat`` is such a vector: a sum o
 The noise also moves the weights: a random walk of step ``lr ||g_hat - g||`` grows ``||w||`` (``random_walk``,
 ``--walk``), and in a ReLU network larger weights mean larger gradients and so more noise.
 
-    python benchmarks/fedes_noise.py --run fedes_iid_nB256_s0_db
-    python benchmarks/fedes_noise.py --run fedes_dirichlet_nB1024_s0_db --walk benchmarks/results/fedes_noise.jsonl
+    python experiments/fedes/fedes_noise.py --run fedes_iid_nB256_s0_db
+    python experiments/fedes/fedes_noise.py --run fedes_dirichlet_nB1024_s0_db \
+        --walk experiments/fedes/fedes_noise.jsonl
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch
 from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
 sys.path.insert(0, HERE)
 from _common import load_example  # noqa: E402
 from fedes import (  # noqa: E402
@@ -179,7 +181,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a run's name under --runs_dir/tmp, e.g. fedes_iid_nB256_s0_db")
     parser.add_argument("--checkpoint", default=None, help="checkpoint-<round> folder (default: the run's newest)")
-    parser.add_argument("--runs_dir", default=os.path.join(HERE, "results", "fedes_runs"))
+    parser.add_argument("--runs_dir", default=os.path.join(HERE, "fedes_runs"))
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "mnist"))
     parser.add_argument("--probe", type=int, default=5000, help="training examples the losses are measured on")
     parser.add_argument("--directions", type=int, default=8, help="random noise steps averaged")

@@ -9,9 +9,9 @@ whole pipeline's output from the honest mean (the strongest, omniscient attacker
 accuracy (mean over seeds), the worst attack's gap to the same configuration without attack and to the best
 configuration without attack, and the attacker's omega (mean over rounds).
 
-    python benchmarks/foe_rules.py                                        # every rule +- NNM, none and FOE
-    python benchmarks/foe_rules.py --configs cwtm+nnm median --attacks none alie foe sf tma --seeds 0 1 2
-    python benchmarks/foe_rules.py --smoke                                # CI smoke: two configs, few rounds
+    python experiments/foe_rules/foe_rules.py                                        # every rule +- NNM, none and FOE
+    python experiments/foe_rules/foe_rules.py --configs cwtm+nnm median --attacks none alie foe sf tma --seeds 0 1 2
+    python experiments/foe_rules/foe_rules.py --smoke                                # CI smoke: two configs, few rounds
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
+sys.path.insert(0, os.path.join(ROOT, "experiments", "real_model"))  # real_model.py: data, features and runs
 sys.path.insert(0, HERE)
 
 from _common import run_jobs  # noqa: E402
-from real_model import DEV_SIZE, PER_CLASS, RESULTS, ROOT, load, zo_run  # noqa: E402
+from real_model import DEV_SIZE, PER_CLASS, load, zo_run  # noqa: E402
 
 from zo_byzantine.features import Features  # noqa: E402
 from zo_byzantine.tasks import load_task  # noqa: E402
@@ -123,7 +126,7 @@ def main(argv=None):
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"))
-    parser.add_argument("--out", default=os.path.join(RESULTS, "foe_rules"), help="writes OUT.json and OUT.md")
+    parser.add_argument("--out", default=os.path.join(HERE, "foe_rules"), help="writes OUT.json and OUT.md")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     for config in args.configs:
@@ -147,7 +150,8 @@ def main(argv=None):
         with open(args.out + ".json", "w") as f:
             json.dump({"runs": results, "argv": sys.argv[1:], "wall_seconds": args.wall_seconds}, f)
         with open(args.out + ".md", "w") as f:
-            f.write(f"Command: `python benchmarks/foe_rules.py {' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines) + "\n")
+            f.write(f"Command: `python experiments/foe_rules/foe_rules.py {' '.join(sys.argv[1:])}`\n\n"
+                    + "\n".join(lines) + "\n")
     return results, lines
 
 

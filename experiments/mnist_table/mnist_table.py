@@ -1,14 +1,14 @@
 """Reproduce paper 004 Table 5 (= paper 003 Table 1): MNIST logistic regression under attack.
 
 Runs the grid (algorithm x rule x NNM x attack) over seeds with ``examples/run_mnist_fed.py``'s
-``main``, one JSON per run under ``benchmarks/results/mnist_runs/`` (finished runs are skipped, so
+``main``, one JSON per run under ``experiments/mnist_table/mnist_runs/`` (finished runs are skipped, so
 the grid can be resumed), then writes ``mnist_table.csv``, ``mnist_table.md`` and PNG plots of
 accuracy against rounds and against communicated bytes.
 
-    python benchmarks/mnist_table.py                       # the whole grid, 3 seeds, 2 worker processes
-    python benchmarks/mnist_table.py --smoke               # two cells, 20 rounds: the CI smoke
-    python benchmarks/mnist_table.py --only "FedByZO CWTM" # a subset (prefix of the row name)
-    python benchmarks/mnist_table.py --report              # tables and plots from finished runs only
+    python experiments/mnist_table/mnist_table.py                       # the whole grid, 3 seeds, 2 worker processes
+    python experiments/mnist_table/mnist_table.py --smoke               # two cells, 20 rounds: the CI smoke
+    python experiments/mnist_table/mnist_table.py --only "FedByZO CWTM" # a subset (prefix of the row name)
+    python experiments/mnist_table/mnist_table.py --report              # tables and plots from finished runs only
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS = HERE  # the committed runs and reports, beside this script
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
 sys.path.insert(0, HERE)
 from _common import load_example, run_jobs  # noqa: E402
 

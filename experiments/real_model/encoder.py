@@ -9,8 +9,8 @@
    attack, constant learning rate, until ``--rounds`` or ``--minutes``. Validation accuracy every
    ``--eval_every`` rounds, with the training seconds spent so far.
 
-    python benchmarks/encoder.py --task sst2 --attack none --minutes 6 --out sst2_none.json   # on a GPU
-    python benchmarks/encoder.py --smoke                                                       # CI smoke
+    python experiments/real_model/encoder.py --task sst2 --attack none --minutes 6 --out sst2_none.json  # on a GPU
+    python experiments/real_model/encoder.py --smoke                                                      # CI smoke
 
 ``--checkpoint_dir D`` keeps a checkpoint there at every evaluation and when the time is up; started again with the
 same arguments, the run resumes from the newest one (the trainer's resume: the same trajectory) and ``--out`` gets
@@ -18,8 +18,8 @@ the whole curve (accuracies from the restored history; the earlier legs and thei
 wrote, refused when it records other settings). On the CPU the rounds' forwards are grouped by length
 (``zo_group_by_length``; ``--no-group_by_length``: padded to the round's longest sentence).
 
-References (``results/real_model.md``, centralised, first-order): full fine-tuning 83.4 (SST-2) and 96.8 (TREC);
-the zeroth-order head on frozen features 78.1 and 88.5 without attack.
+References (``real_model.md`` beside this script, centralised, first-order): full fine-tuning 83.4 (SST-2) and 96.8
+(TREC); the zeroth-order head on frozen features 78.1 and 88.5 without attack.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ import torch
 from transformers import DataCollatorWithPadding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
+sys.path.insert(0, os.path.join(ROOT, "experiments", "fedes"))  # fedes.last_checkpoint
 sys.path.insert(0, HERE)
 
 from _common import Progress  # noqa: E402
 from fedes import last_checkpoint  # noqa: E402
 from real_model import (  # noqa: E402
     PER_CLASS,
-    ROOT,
     first_order_head,
     load,
     load_minilm,

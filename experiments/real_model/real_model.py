@@ -1,7 +1,7 @@
 """Real model, real data: the paper's Table 1 layout (paper 004) with all-MiniLM-L6-v2's classification head
 trained by federated zeroth-order optimisation under attack, on SST-2, TREC, SNLI, RTE and MNLI.
 
-Configuration (see ``results/README.md`` for why): the pretrained encoder is frozen and a linear
+Configuration (see ``NOTES.md`` beside this script for why): the pretrained encoder is frozen and a linear
 classification head on its mean-pooled sentence embedding ``u`` (sentence pairs: ``[u, v, |u - v|, u * v]``,
 the sentence-transformers classification features of the two sentences' embeddings), standardised with the
 training set's statistics, is trained by ``ZOByzantineTrainer``: n = 12 clients, b = 3 Byzantine, Dirichlet
@@ -14,8 +14,8 @@ reference). Accuracy on the validation sample at the start, best (the paper's "m
 and final, mean +- std over seeds. Data: ``PER_CLASS`` training examples per class (None: the whole training
 set) and ``DEV_SIZE`` validation examples (None: the whole validation set).
 
-    python benchmarks/real_model.py                  # five tasks, 3 seeds, 2 worker processes
-    python benchmarks/real_model.py --smoke          # small samples, 30 rounds, one seed: the CI smoke
+    python experiments/real_model/real_model.py                  # five tasks, 3 seeds, 2 worker processes
+    python experiments/real_model/real_model.py --smoke          # small samples, 30 rounds, one seed: the CI smoke
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
 sys.path.insert(0, HERE)
 
 from _common import run_jobs  # noqa: E402
@@ -52,7 +53,7 @@ from zo_byzantine.features import (  # noqa: E402
 from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 from zo_byzantine.tasks import load_local_split, load_task, sample, sample_per_class  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
+RESULTS = HERE  # the committed results, beside this script
 CONFIGS = [("cwtm", "none"), ("cwtm", "alie"), ("cwtm", "foe"), ("cwtm", "sf"), ("cwtm", "tma"), ("mean", "sf")]
 TASKS = ["sst2", "trec", "snli", "rte", "mnli"]
 # None: the whole set (TREC's smallest class has 86 examples; RTE has 2,490 training and 277 validation pairs)

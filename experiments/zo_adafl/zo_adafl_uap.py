@@ -3,9 +3,9 @@ perturbation of MNIST digit "4" images, learnt by 50 clients from the losses of 
 
 1. The black box: a small CNN (no dropout or batch norm: the Trainer's ``train()`` mode changes nothing) trained
    first-order on MNIST (Adam, 8 epochs, learning rate 1e-3 x 0.7 per epoch, one thread), kept in the repository
-   (``results/zo_adafl_black_box.pt``, 98.74 % test accuracy; the paper's has 99.4 %): training it again gives
-   another box on another thread count (98.72 % on two) or possibly another CPU, so the runs attack the committed
-   one and record its weights' digest.
+   (``zo_adafl_black_box.pt`` beside this script, 98.74 % test accuracy; the paper's has 99.4 %): training it again
+   gives another box on another thread count (98.72 % on two) or possibly another CPU, so the runs attack the
+   committed one and record its weights' digest.
 2. The data: 200 training images of digit 4 (seeded). The paper distributes "|D_i| = 60 samples to each client" of
    50: 50 x 60 = 3,000 > 200, so the clients' sets overlap. We build 3,000 rows that repeat each of the 200 images 15
    times and split them IID over the 50 clients (the library's split): each client holds 60 images of the pool
@@ -20,12 +20,12 @@ perturbation of MNIST digit "4" images, learnt by 50 clients from the losses of 
    clients, the server averages the local models (``server_optimizer="sgd"``, learning rate = eta). ZONES and DZOPA
    are not configurations of ours (primal-dual / decentralised), so they are not run.
 
-Runs (one JSON each under ``benchmarks/results/zo_adafl_runs/``, finished ones skipped: resumable), then
-``zo_adafl.md``, ``zo_adafl.json`` and ``zo_adafl.png`` under ``benchmarks/results/``:
+Runs (one JSON each under ``experiments/zo_adafl/zo_adafl_runs/``, finished ones skipped: resumable), then
+``zo_adafl.md``, ``zo_adafl.json`` and ``zo_adafl.png`` beside this script:
 
-    python benchmarks/zo_adafl_uap.py               # the comparison and Figure 2's K and m sweeps
-    python benchmarks/zo_adafl_uap.py --smoke       # ZO-AdaFL and FedZO, 3 rounds, K 2, a quick black box (CI)
-    python benchmarks/zo_adafl_uap.py --report      # tables and plot from finished runs only
+    python experiments/zo_adafl/zo_adafl_uap.py           # the comparison and Figure 2's K and m sweeps
+    python experiments/zo_adafl/zo_adafl_uap.py --smoke   # ZO-AdaFL and FedZO, 3 rounds, K 2, a quick black box (CI)
+    python experiments/zo_adafl/zo_adafl_uap.py --report  # tables and plot from finished runs only
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS = HERE  # the committed runs, reports and black box, beside this script
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # _common.py, shared with the benchmarks
 sys.path.insert(0, HERE)
 from _common import load_example, run_jobs  # noqa: E402
 
