@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # two processes started by torchrun per test
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
 

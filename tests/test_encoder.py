@@ -17,6 +17,8 @@ from transformers import BertConfig, BertModel
 from zo_byzantine.features import FeatureHead, PooledClassifier, embed, moments, standardize
 from zo_byzantine.perturbation import ParameterTable, perturbed
 
+pytestmark = pytest.mark.slow  # the encoder experiment's smokes: real MiniLM runs in subprocesses
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODER = os.path.join(ROOT, "experiments", "real_model", "encoder.py")
 

@@ -121,6 +121,7 @@ def test_targets_in_the_padding_are_kept(tmp_path, tokenizer):
     assert {w for _, w in widths} == {inputs["input_ids"].shape[1]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["auto", "two_forwards"])
 def test_training_grouped_by_length_follows_the_padded_trajectory(tmp_path, tokenizer, schedule):
     """The same updates up to rounding (a loss difference's rounding, divided by 2 mu, moves a weight by ~1e-6);
@@ -158,6 +159,7 @@ def test_the_trainers_sampling_strategy_is_refused_for_zo_group_by_length(tmp_pa
         ZOByzantineArguments(output_dir=str(tmp_path), train_sampling_strategy="group_by_length")
 
 
+@pytest.mark.slow
 def test_padding_benchmark_runs_every_row_on_real_sentences():
     """``benchmarks/padding.py`` on a small round: every row runs, the grouped round forwards fewer tokens than the
     padded one, and ``auto`` keeps the directions for the split forwards."""

@@ -12,6 +12,8 @@ import torch
 from helpers import load_example
 from prompt_helpers import DATA
 
+pytestmark = pytest.mark.slow  # the experiments' smokes and MNIST end-to-end runs (minutes in all)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from prompt_helpers import DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,6 +13,8 @@ EXPERIMENTS = os.path.join(ROOT, "experiments")
 sys.path.insert(0, os.path.join(EXPERIMENTS, "real_model"))
 
 from real_model import CONFIGS  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the real-model experiments' smokes: real MiniLM runs in subprocesses
 
 
 def test_real_model_smoke_learns_and_reports_every_configuration():
