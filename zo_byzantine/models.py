@@ -32,8 +32,8 @@ class ShippedModel:
         package: the import name of the package that holds the file.
         gguf_file: the file's name in the package's folder, or ``None`` when ``assemble`` writes it.
         install: the command that installs the package.
-        assemble: for packages that ship the file in parts: the package's function ``assemble(folder) -> path``
-            (imported: such packages import nothing else).
+        assemble: for packages that ship the file in parts: the package's function ``assemble(path) -> path``
+            that joins them into ``path`` (imported: such packages import nothing else).
     """
 
     package: str
@@ -65,8 +65,9 @@ def cache_folder(name: str) -> Path:
     return Path(root) / "models" / name
 
 
-def gguf_path(name: str) -> Path:
-    """The GGUF file of ``name`` on disk, from its installed package (not imported unless it assembles parts)."""
+def gguf_path(name: str, scratch: Path | None = None) -> Path:
+    """The GGUF file of ``name`` on disk, from its installed package (not imported unless it assembles parts, which
+    it joins into the folder ``scratch``)."""
     shipped = check_name(name)
     spec = importlib.util.find_spec(shipped.package)
     if spec is None or not spec.submodule_search_locations:
@@ -74,8 +75,10 @@ def gguf_path(name: str) -> Path:
     folder = Path(list(spec.submodule_search_locations)[0])
     if shipped.assemble is None:
         return folder / shipped.gguf_file
+    if scratch is None:
+        raise ValueError(f"model {name!r} ships its GGUF file in parts: give a scratch folder to join them in.")
     assemble = getattr(importlib.import_module(shipped.package), shipped.assemble)
-    return Path(assemble(str(folder)))
+    return Path(assemble(scratch / f"{name}.gguf"))
 
 
 def convert(name: str) -> Path:
@@ -86,17 +89,18 @@ def convert(name: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path(name)
-    folder, file = str(source.parent), source.name
-    print(f"zo_byzantine: converting {name} from {source} into {target} (once; about a minute)", file=sys.stderr)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}.gguf.", dir=target.parent))
     try:
+        source = gguf_path(name, scratch)
+        folder, file = str(source.parent), source.name
+        print(f"zo_byzantine: converting {name} from {source} into {target} (once; under a minute)", file=sys.stderr)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
         os.replace(work, target)  # complete or absent; another process's finished conversion wins
@@ -105,6 +109,7 @@ def convert(name: str) -> Path:
             raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
