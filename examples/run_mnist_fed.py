@@ -129,7 +129,8 @@ class MnistFedArguments(ZOByzantineArguments):
     logging_steps: float = field(default=20, metadata={"help": "Rounds between logs."})
     save_strategy: str = field(default="no", metadata={"help": "Checkpoints (the ledger is always written)."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the 'x' input."})
-    disable_tqdm: bool = field(default=True, metadata={"help": "Quiet by default (the experiments run many)."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar of the rounds (true for grids that "
+                                                                "run many)."})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -35,14 +36,18 @@ def run_config(**overrides) -> dict:
 
 
 class LoopbackGrid:
-    """``get_node_ids`` / ``send_and_receive`` over in-process nodes: ``nodes`` maps node id -> node config.
+    """A Flower grid over in-process nodes (``get_node_ids``, ``get_nodes``, ``push_messages``, ``pull_messages``,
+    ``send_and_receive``), on a virtual clock: ``nodes`` maps node id -> node config.
 
-    ``tamper(reply, message) -> list[Message]`` may replace each reply (a hostile node); ``down``: node ids that
-    are connected but never answer; ``delays``: node id -> seconds its reply takes (replies later than the
-    ``timeout`` given to ``send_and_receive`` are dropped, as the deadline does; no time actually passes).
+    Pushing a message sets its id as Flower's grid does (its object id) and runs the node's ClientApp at once; the
+    replies become available ``delays[node]`` seconds later (virtual: :meth:`sleep` advances :meth:`clock`; pass
+    both to the ``Coordinator``). ``tamper(reply, message) -> list[Message]`` may replace each reply (a hostile
+    node: every reply it returns is delivered when the message's id is pulled, whatever it answers); ``down``: node
+    ids that are connected but never answer; ``keys``: node id -> the public key ``get_nodes`` reports (PEM).
     """
 
-    def __init__(self, config: dict, nodes: dict[int, dict], tamper=None, delays: dict[int, float] | None = None):
+    def __init__(self, config: dict, nodes: dict[int, dict], tamper=None, delays: dict[int, float] | None = None,
+                 keys: dict[int, bytes] | None = None):
         from zo_byzantine.flower import client_app
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SERVER_NODE, 1
@@ -51,26 +56,89 @@ class LoopbackGrid:
         self.states = {node: RecordDict() for node in nodes}
         self.down: set[int] = set()
         self.delays = dict(delays or {})
+        self.keys = dict(keys or {})
         self.sent: list[Message] = []
+        self.now = 0.0
+        self.queued: dict[str, tuple[float, list[Message]]] = {}  # message id -> (ready at, replies)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(float(seconds), 0.0)
 
     def get_node_ids(self):
         return list(self.nodes)
 
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
+    def get_nodes(self):
+        from flwr.proto.node_pb2 import NodeInfo
+
+        return [NodeInfo(node_id=n, public_key=self.keys.get(n, b"")) for n in self.nodes]
+
+    def push_messages(self, messages):
+        ids = []
         for message in messages:
+            message.metadata.__dict__["_message_id"] = message.object_id  # as Flower's grid does
+            ids.append(message.metadata.message_id)
             self.sent.append(message)
             node = message.metadata.dst_node_id
-            late = timeout is not None and self.delays.get(node, 0.0) > timeout
-            if node in self.down or node not in self.nodes or late:
+            if node in self.down or node not in self.nodes:
                 continue
             context = Context(RUN_ID, node, self.nodes[node], self.states[node], self.config)
             try:
                 reply = self.app(message, context)
             except Exception as err:  # as a SuperNode does: the ClientApp's exception becomes an error reply
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
-            replies += self.tamper(reply, message) if self.tamper else [reply]
-        return replies
+            replies = self.tamper(reply, message) if self.tamper else [reply]
+            self.queued[ids[-1]] = (self.now + self.delays.get(node, 0.0), replies)
+        return ids
+
+    def pull_messages(self, message_ids):
+        ready = [i for i in message_ids if i in self.queued and self.queued[i][0] <= self.now]
+        return [reply for i in ready for reply in self.queued.pop(i)[1]]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        """As Flower's: push, then wait until every reply is in, or ``timeout`` passes (virtual time)."""
+        ids = self.push_messages(messages)
+        times = [self.queued[i][0] if i in self.queued else math.inf for i in ids]
+        last = max(times, default=self.now)
+        self.now = min(last, self.now + timeout) if timeout is not None else last
+        return self.pull_messages(ids)
+
+
+def nodes(n: int, **extra) -> dict:
+    """Node id 100 + c -> node config of client c (``extra``: client -> more node config)."""
+    return {100 + c: {"partition-id": c, "num-partitions": n, **extra.get(str(c), {})} for c in range(n)}
+
+
+def coordinator(config: dict, grid: LoopbackGrid | None = None):
+    """The ServerApp's coordinator for ``config``; on ``grid``'s virtual clock if given."""
+    from zo_byzantine.flower import Coordinator, read_run_config
+    from zo_byzantine.flower.config import build_task
+
+    deployment = read_run_config(config)
+    timing = {"clock": grid.clock, "sleep": grid.sleep} if grid is not None else {}
+    return Coordinator(deployment, build_task(deployment, config), **timing)
+
+
+def node_weights(grid: LoopbackGrid, node: int) -> list:
+    """The weights node ``node`` keeps in its ``Context.state``."""
+    return list(grid.states[node]["zo_weights"].to_torch_state_dict().values())
+
+
+def replayed_weights(config: dict, ledger, rounds: int) -> list:
+    """The task's start weights with the first ``rounds`` rounds of ``ledger`` replayed."""
+    from zo_byzantine import Ledger, replay
+    from zo_byzantine.flower import read_run_config
+    from zo_byzantine.flower.config import build_task
+    from zo_byzantine.ledger import _digest, dumps
+
+    data = {k: v for k, v in ledger.to_dict().items() if k != "digest"}
+    data["rounds"] = data["rounds"][:rounds]
+    data["digest"] = _digest(data)
+    model = build_task(read_run_config(config), config).model
+    replay(model, Ledger.loads(dumps(data)))
+    return [p.detach() for p in model.parameters()]
 
 
 # ----- a real deployment on loopback: SuperLink and SuperNodes as subprocesses ------------------------------------

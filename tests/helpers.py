@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import string
 import sys
 
 import torch
@@ -33,17 +34,23 @@ def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
-def train_wordpiece(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A BERT-style WordPiece tokenizer ([CLS] ... [SEP], lower case) trained on ``corpus``."""
-    from tokenizers import decoders
-    from tokenizers.processors import TemplateProcessing
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+
+def _bert_style(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """``tok`` (a WordPiece model) with BERT's lower-casing and splitting."""
+    from tokenizers import decoders
+
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
+    return tok
+
+
+def _fast(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """``tok`` with the ``[CLS] ... [SEP]`` template, as a transformers tokenizer."""
+    from tokenizers.processors import TemplateProcessing
+
     tok.post_processor = TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B [SEP]",
@@ -53,8 +60,21 @@ def train_wordpiece(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFa
                                    sep_token="[SEP]", mask_token="[MASK]")
 
 
+def train_wordpiece(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer ([CLS] ... [SEP], lower case) trained on ``corpus``."""
+    tok = _bert_style(Tokenizer(models.WordPiece(unk_token="[UNK]")))
+    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
+    return _fast(tok)
+
+
 def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
-    return train_wordpiece([s for s, _ in sentences(200)] + [" ".join(POSITIVE + NEGATIVE + FILLER)], 200)
+    """A BERT-style WordPiece tokenizer over a fixed vocabulary: the special tokens, the sentences' words, then single
+    characters and their ``##`` continuations (any other text). The same ids in every process: a trained vocabulary
+    is not (the trainer breaks ties in an order that changes from process to process)."""
+    chars = string.ascii_lowercase + string.digits
+    vocab = [*SPECIALS, *sorted(set(POSITIVE + NEGATIVE + FILLER)), *chars, *string.punctuation,
+             *(f"##{c}" for c in chars)]
+    return _fast(_bert_style(Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))))
 
 
 def tiny_bert(num_labels: int = 2, vocab_size: int = 200, seed: int = 0, dropout: float = 0.0):

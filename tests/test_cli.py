@@ -91,7 +91,70 @@ def skipped_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("skipped")
     make_trainer(Exploding(), VectorDataset(64), tmp, max_steps=2).train()
+    os.remove(tmp / runs.TRAINER_STATE)  # as a run made before the trainer wrote it at the end of train()
     return tmp
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """A plain Trainer script's output: evaluated before training and the start accuracy saved with save_metrics (as
+    the main job), trained with evaluations every 2 rounds, no save_state() call."""
+    tmp = tmp_path_factory.mktemp("plain")
+    trainer = make_trainer(
+        LogisticRegression(), VectorDataset(128), tmp, max_steps=6, num_clients=4, learning_rate=0.05,
+        eval_strategy="steps", eval_steps=2,
+        trainer_kwargs={"eval_dataset": VectorDataset(64, seed=1), "compute_metrics": compute_metrics_fn(["accuracy"])},
+    )
+    start = trainer.evaluate(metric_key_prefix="start")["start_accuracy"]
+    trainer.train()
+    trainer.save_metrics("eval", {"start_accuracy": start})  # as the main job: train() starts a history without it
+    return SimpleNamespace(dir=tmp, start=start, trainer=trainer)
+
+
+def test_inspect_and_plot_show_the_start_of_a_plain_trainer_scripts_run(plain_run):
+    """The evaluation before training is the start (not the first periodic one), and a script that never called
+    save_state() gets every panel: the trainer writes trainer_state.json at the end of train()."""
+    loaded = runs.load_run(plain_run.dir)
+    assert loaded.state_path == os.path.join(plain_run.dir, runs.TRAINER_STATE)
+    accuracy = runs.summarize(loaded)["eval_accuracy"]
+    evaluations = [(e["step"], e["eval_accuracy"]) for e in loaded.log_history if "eval_accuracy" in e]
+    assert accuracy["start"] == (0, plain_run.start) and accuracy["first"] == (0, plain_run.start)
+    assert [step for step, _ in evaluations] == [2, 4, 6] and accuracy["evaluations"] == 4
+    assert accuracy["best"] == max([(0, plain_run.start), *evaluations], key=lambda pair: pair[1])
+    assert f"eval accuracy  start {plain_run.start:.6g} (step 0), best" in runs.format_summary(runs.summarize(loaded))
+    fig = runs.plot_figure(loaded)
+    assert all(ax.lines for ax in fig.axes) and not any(ax.texts for ax in fig.axes)  # four panels, no "not available"
+    start, periodic = fig.axes[1].lines
+    assert list(zip(*start.get_data(), strict=True)) == [(0, plain_run.start)]
+    assert list(zip(*periodic.get_data(), strict=True)) == evaluations
+    low, high = fig.axes[1].get_ylim()
+    assert low <= plain_run.start <= high  # the axis spans the start, not only the last evaluations
+
+
+def test_an_evaluation_at_step_0_is_the_start(tmp_path):
+    extra = {"eval_dataset": VectorDataset(32, seed=1), "compute_metrics": compute_metrics_fn(["accuracy"])}
+    trainer = make_trainer(LogisticRegression(), VectorDataset(64), tmp_path, max_steps=2, eval_strategy="steps",
+                           eval_steps=2, eval_on_start=True, trainer_kwargs=extra)
+    trainer.train()
+    accuracy = runs.summarize(runs.load_run(tmp_path))["eval_accuracy"]
+    first = next(e for e in trainer.state.log_history if "eval_accuracy" in e)
+    assert first["step"] == 0 and accuracy["start"] == (0, first["eval_accuracy"]) and accuracy["evaluations"] == 2
+
+
+def test_a_runs_checkpoint_gives_its_log_history_when_the_directory_has_none(plain_run, tmp_path):
+    older = tmp_path / "older"
+    shutil.copytree(plain_run.dir, older)
+    os.remove(older / runs.TRAINER_STATE)
+    checkpoint = older / "checkpoint-4"
+    checkpoint.mkdir()
+    shutil.copy(plain_run.dir / runs.TRAINER_STATE, checkpoint / runs.TRAINER_STATE)
+    assert runs.load_run(older).state_path == str(checkpoint / runs.TRAINER_STATE)
+
+
+def test_notes_are_wrapped_inside_their_panel(skipped_run):
+    fig = runs.plot_figure(runs.load_run(skipped_run))
+    notes = [line for ax in fig.axes for text in ax.texts for line in text.get_text().splitlines()]
+    assert notes and max(map(len, notes)) <= runs.NOTE_WIDTH
 
 
 def _history(run, name):
@@ -119,7 +182,8 @@ def test_inspect_summary_holds_the_ledgers_rounds_losses_and_participants(run):
     accuracy = _history(run, "eval_accuracy")
     assert [step for step, _ in accuracy] == [2, 4, 6, 8]
     best = max(accuracy, key=lambda pair: pair[1])
-    assert summary["eval_accuracy"] == {"start": accuracy[0], "best": best, "last": accuracy[-1], "evaluations": 4}
+    assert summary["eval_accuracy"] == {"start": None, "first": accuracy[0], "best": best, "last": accuracy[-1],
+                                        "evaluations": 4}  # no evaluation before training: no start
     logged = [entry for entry in run.history if "uplink_bytes_per_client" in entry][-1]
     assert summary["bytes"]["uplink_per_round"] == logged["uplink_bytes_per_client"] == 4
     assert summary["bytes"]["fedavg_per_round"] == logged["fedavg_bytes_per_client"] == 18 * 4
@@ -133,6 +197,7 @@ def test_inspect_summary_holds_the_ledgers_rounds_losses_and_participants(run):
     assert f"checked (SHA-256 of the whole content): {run.ledger['digest']}" in text
     assert run.ledger["fingerprint"] in text and "optimizer sgd" in text
     assert f"best {best[1]:.6g} (step {best[0]})" in text and "dense FedAvg 72 (18x less)" in text
+    assert f"start not evaluated ({runs.START}); first {accuracy[0][1]:.6g} (step 2)" in text
 
 
 def test_inspect_rounds_lists_every_round_with_the_ledgers_exact_values(run):
@@ -146,6 +211,7 @@ def test_inspect_rounds_lists_every_round_with_the_ledgers_exact_values(run):
         assert (int(clients), int(directions)) == (len(entry["participants"]), len(entry["seeds"]))
 
 
+@pytest.mark.slow  # subprocesses or an end-to-end job
 def test_inspect_through_the_command_line_prints_the_table(run):
     done = finish(cli("inspect", run.dir, "--rounds"))
     assert done.returncode == 0, done.stderr
@@ -204,6 +270,7 @@ def test_hmac_key_is_checked_when_given(run, tmp_path, capsys):
 # ----- replay --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # subprocesses or an end-to-end job
 def test_replay_through_the_command_line_writes_the_trained_weights_bitwise(run, tmp_path, capsys):
     process = cli("replay", run.dir, "--model-factory", f"{HELPERS}:LogisticRegression", "--start",
                   run.tmp / "start.pt", "--out", tmp_path / "pt.safetensors")
@@ -273,7 +340,8 @@ def test_replay_of_a_hugging_face_model_saved_with_save_pretrained(tmp_path):
 def test_plot_figure_has_the_four_panels_with_the_runs_series(run):
     fig = runs.plot_figure(runs.load_run(run.dir))
     assert len(fig.axes) == 4
-    assert [ax.get_title() for ax in fig.axes] == list(runs.PANELS)
+    assert [ax.get_title() for ax in fig.axes] == [f"{t}\n{line}" for t, line in zip(runs.PANELS, runs.EXPLAINED,
+                                                                                   strict=True)]
     loss_ax, accuracy_ax, shift_ax, bytes_ax = fig.axes
     x, y = loss_ax.lines[0].get_data()
     assert list(x) == list(range(ROUNDS)) and list(y) == [entry["loss"] for entry in run.ledger["rounds"]]
@@ -309,6 +377,7 @@ def test_plot_through_the_command_line_writes_a_png(run, tmp_path, capsys):
 # ----- a tampered ledger ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # subprocesses or an end-to-end job
 def test_a_tampered_ledger_makes_every_subcommand_fail_with_the_ledger_error(run, tmp_path, capsys):
     tampered = tmp_path / "tampered"
     shutil.copytree(run.dir, tampered)

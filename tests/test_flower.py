@@ -6,12 +6,20 @@ import math
 
 import pytest
 import torch
-from flower_helpers import LoopbackGrid, assert_same_rounds, run_config, trainer_ledger
+from flower_helpers import (
+    LoopbackGrid,
+    assert_same_rounds,
+    coordinator,
+    node_weights,
+    nodes,
+    replayed_weights,
+    run_config,
+    trainer_ledger,
+)
 
 from zo_byzantine import Ledger, replay
 from zo_byzantine.batched_clients import BatchedClients
 from zo_byzantine.flower import (
-    Coordinator,
     PlanRefused,
     Replica,
     WireError,
@@ -29,17 +37,6 @@ from zo_byzantine.schedule import Schedule
 
 pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
-
-
-def nodes(n: int, **extra) -> dict:
-    """Node id 100 + c -> node config of client c (``extra``: client -> more node config)."""
-    return {100 + c: {"partition-id": c, "num-partitions": n, **extra.get(str(c), {})} for c in range(n)}
-
-
-def coordinator(config: dict) -> Coordinator:
-    deployment = read_run_config(config)
-    return Coordinator(deployment, build_task(deployment, config))
-
 
 # ----- equivalence with the simulation -------------------------------------------------------------------------
 
@@ -68,8 +65,9 @@ CASES = {
 def test_deployment_writes_the_trainers_ledger(tmp_path, case):
     overrides, node_extra, attack = CASES[case]
     config = run_config(rounds=3, **overrides)
-    coord = coordinator(config)
-    coord.run(LoopbackGrid(config, nodes(config["num_clients"], **node_extra)))
+    grid = LoopbackGrid(config, nodes(config["num_clients"], **node_extra))
+    coord = coordinator(config, grid)
+    coord.run(grid)
     reference, _ = trainer_ledger(config, tmp_path, attack=attack)
     assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
     assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
@@ -87,8 +85,9 @@ def test_deployment_writes_the_trainers_ledger(tmp_path, case):
 
 def _plan_and_entries(rounds: int = 2, **overrides):
     config = run_config(rounds=rounds, **overrides)
-    coord = coordinator(config)
-    coord.run(LoopbackGrid(config, nodes(config["num_clients"])))
+    grid = LoopbackGrid(config, nodes(config["num_clients"]))
+    coord = coordinator(config, grid)
+    coord.run(grid)
     plan = coord.server.plan(rounds, coord.sampler.participants(rounds), 0.05)
     return coord, plan
 
@@ -214,8 +213,9 @@ def _hostile_cases(victim: int, outsider_node: int):
 @pytest.mark.parametrize("case", ["non-participant", "duplicate", "stale round", "wrong length", "oversized payload",
                                   "wrong types", "impersonation", "nan and inf", "error reply", "no record"])
 def test_hostile_reply_is_rejected_or_sanitised_and_logged(case, caplog):
-    clean = coordinator(HOSTILE)
-    clean.run(LoopbackGrid(HOSTILE, nodes(5)))
+    grid = LoopbackGrid(HOSTILE, nodes(5))
+    clean = coordinator(HOSTILE, grid)
+    clean.run(grid)
     participants = list(clean.sampler.participants(1))
     victim = int(participants[0])
     outsider = next(c for c in range(5) if c not in participants)
@@ -230,15 +230,20 @@ def test_hostile_reply_is_rejected_or_sanitised_and_logged(case, caplog):
         state["hit"] = True
         return tamper(reply, message)
 
-    coord = coordinator(HOSTILE)
-    coord.run(LoopbackGrid(HOSTILE, nodes(5), tamper=hostile))
+    grid = LoopbackGrid(HOSTILE, nodes(5), tamper=hostile)
+    coord = coordinator(HOSTILE, grid)
+    coord.run(grid)
     entry = coord.rounds_log[1]
     assert state["hit"] and entry["skipped"] is None  # never a crash; the round is applied
     assert entry["rejected"] == rejected and entry["nonfinite"] == nonfinite, entry
     assert (victim in entry["accepted"]) == kept and len(entry["accepted"]) == 3 + kept
+    # each rejection is recorded (rounds log and log) with the node, the client of its plan and the round
+    found = [p for p in entry["problems"] if p["reason"].startswith("reply rejected")]
+    assert len(found) == rejected and all(p["round"] == 1 for p in found), entry["problems"]
+    expected_node = 100 + (outsider if case == "non-participant" else victim)
+    assert all(p["node"] == expected_node and p["client"] in (victim, None) for p in found), found
     if rejected:
-        assert "Round 1: node" in caplog.text and "reply rejected" in caplog.text or \
-            "Round 1: report rejected" in caplog.text  # wire-level (coordinator) or protocol-level (Server.accept)
+        assert f"Round 1: node {expected_node}" in caplog.text and "reply rejected" in caplog.text
     if case in ("non-participant", "duplicate"):  # the genuine report alone entered: the clean run's round
         assert coord.ledger.rounds[1]["coefficients"] == clean.ledger.rounds[1]["coefficients"]
     else:
@@ -250,45 +255,27 @@ def test_hostile_reply_is_rejected_or_sanitised_and_logged(case, caplog):
 
 def test_late_and_missing_replies_are_left_out_and_too_few_skip_the_round(caplog):
     config = run_config(rounds=2, **{"round-timeout": 5.0})
-    coord = coordinator(config)
     grid = LoopbackGrid(config, nodes(3), delays={102: 1.0})
+    coord = coordinator(config, grid)
     coord.register(grid)
     coord.round(grid, 0)  # all in time: applied
     grid.delays[102] = 60.0  # past the deadline: CWTM (f = 1) cannot hold for 2 reports
     start = [p.detach().clone() for p in coord.replica.table.params]
     entry = coord.round(grid, 1)
-    assert entry["accepted"] == [0, 1] and entry["received"] == 2
+    assert entry["accepted"] == [0, 1] and entry["received"] == 2 and entry["missed"] == 1
+    assert entry["problems"] == [{"round": 1, "node": 102, "client": 2,
+                                  "reason": "no reply by the deadline (round-timeout=5 s)"}]
+    assert entry["seconds"] == 5.0  # the deadline, on the grid's clock
     assert entry["skipped"].startswith("2 reports are too few for the rule")
     assert coord.ledger.rounds[1]["skipped"] == entry["skipped"] and coord.ledger.rounds[1]["coefficients"] == []
     assert all(torch.equal(a, b) for a, b in zip(start, coord.replica.table.params, strict=True))
     assert "Round 1 skipped (2 reports are too few" in caplog.text
 
 
-def _node_weights(grid, node) -> list[torch.Tensor]:
-    kept = grid.states[node]["zo_weights"].to_torch_state_dict()
-    return list(kept.values())
-
-
-def _replayed(config, ledger, rounds: int) -> list[torch.Tensor]:
-    data = ledger.to_dict()
-    data["rounds"] = data["rounds"][:rounds]
-    model = build_task(read_run_config(config), config).model
-    replay(model, Ledger.loads(_dumps(data)))
-    return [p.detach() for p in model.parameters()]
-
-
-def _dumps(data) -> str:
-    from zo_byzantine.ledger import _digest, dumps
-
-    data = {k: v for k, v in data.items() if k != "digest"}
-    data["digest"] = _digest(data)
-    return dumps(data)
-
-
 def test_a_node_back_after_missed_rounds_catches_up_from_the_ledger():
     config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
-    coord = coordinator(config)
     grid = LoopbackGrid(config, nodes(4))
+    coord = coordinator(config, grid)
     coord.register(grid)
     assert coord.round(grid, 0)["accepted"] == [0, 1, 2, 3]
     grid.down = {103}  # connected, silent: rounds 1 and 2 go on with 3 reports (CWTM, f = 1)
@@ -302,15 +289,15 @@ def test_a_node_back_after_missed_rounds_catches_up_from_the_ledger():
     # round travels with the next plan; no weights on the wire); it applies them when it answers round 3
     assert [(m.plan.round, m.since, len(m.entries)) for m in sent] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3)]
     # the node's weights after catching up are the server's replay of rounds 0..2, bitwise
-    assert all(torch.equal(a, b) for a, b in zip(_node_weights(grid, 103), _replayed(config, coord.ledger, 3),
+    assert all(torch.equal(a, b) for a, b in zip(node_weights(grid, 103), replayed_weights(config, coord.ledger, 3),
                                                  strict=True))
     assert grid.states[103]["zo_progress"]["applied"] == 3
 
 
 def test_a_restarted_node_catches_up_and_one_that_lost_its_state_asks_for_it():
     config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
-    coord = coordinator(config)
     grid = LoopbackGrid(config, nodes(4))
+    coord = coordinator(config, grid)
     coord.register(grid)
     for t in range(2):
         coord.round(grid, t)
@@ -322,20 +309,20 @@ def test_a_restarted_node_catches_up_and_one_that_lost_its_state_asks_for_it():
     entry = coord.round(grid, 2)  # 201 registers (a query beside the plans); 102 asks to catch up
     assert coord.clients[201] == 1 and 101 not in coord.clients
     assert entry["catch_up"] == [2] and entry["accepted"] == [0, 3]
-    assert "client 1: no connected node" in entry["problems"]
+    assert {"round": 2, "node": None, "client": 1, "reason": "no registered node connected"} in entry["problems"]
     entry = coord.round(grid, 3)
     assert entry["accepted"] == [0, 1, 2, 3] and entry["catch_up"] == []
     # both replayed rounds 0..2 from the ledger entries of their plan: the server's replay, bitwise
     for node in (201, 102):
         assert grid.states[node]["zo_progress"]["applied"] == 3
-        assert all(torch.equal(a, b) for a, b in zip(_node_weights(grid, node), _replayed(config, coord.ledger, 3),
-                                                     strict=True))
+        replayed = replayed_weights(config, coord.ledger, 3)
+        assert all(torch.equal(a, b) for a, b in zip(node_weights(grid, node), replayed, strict=True))
 
 
 def test_a_node_out_of_sync_refuses_then_starts_over():
     config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
-    coord = coordinator(config)
     grid = LoopbackGrid(config, nodes(4))
+    coord = coordinator(config, grid)
     coord.register(grid)
     coord.round(grid, 0)
     coord.round(grid, 1)
@@ -345,7 +332,8 @@ def test_a_node_out_of_sync_refuses_then_starts_over():
 
     grid.states[101]["zo_weights"] = ArrayRecord(weights)
     entry = coord.round(grid, 2)
-    assert 1 not in entry["accepted"] and any("weights differ from the server's" in p for p in entry["problems"])
+    assert 1 not in entry["accepted"]
+    assert any("weights differ from the server's" in p["reason"] for p in entry["problems"])
     assert "zo_weights" not in grid.states[101]
     assert coord.round(grid, 3)["catch_up"] == [1]  # it starts over: asks for every round
     assert coord.applied[101] == 0
@@ -430,8 +418,8 @@ def test_a_node_checks_its_schedule_at_its_first_plan_only(monkeypatch):
     original = BatchedClients.checked_stacking
     monkeypatch.setattr(BatchedClients, "checked_stacking", lambda self, *a: checks.append(1) or original(self, *a))
     config = run_config(rounds=3, num_clients=3, clients_per_round=3, **{"min-nodes": 3})
-    coord = coordinator(config)
     grid = LoopbackGrid(config, nodes(3))
+    coord = coordinator(config, grid)
     coord.run(grid)
     assert len(checks) == 3  # one per node, at its first plan
     decided = dict(grid.states[100]["zo_schedule"])
@@ -457,8 +445,9 @@ def test_a_kept_schedule_is_used_only_for_the_same_settings():
 
 def test_server_evaluates_its_replica_on_a_schedule():
     config = run_config(rounds=4, **{"eval-every": 2})
-    coord = coordinator(config)
-    coord.run(LoopbackGrid(config, nodes(3)))
+    grid = LoopbackGrid(config, nodes(3))
+    coord = coordinator(config, grid)
+    coord.run(grid)
     evaluated = [r for r in coord.rounds_log if "eval_loss" in r]
     assert [r["round"] for r in evaluated] == [1, 3]
     # an independent reference: the ledger's first 2 and 4 rounds replayed, cross-entropy and accuracy by hand
@@ -466,7 +455,7 @@ def test_server_evaluates_its_replica_on_a_schedule():
     x = torch.stack([item["x"] for item in task.eval_dataset])
     y = torch.stack([item["labels"] for item in task.eval_dataset])
     for entry in evaluated:
-        weights = _replayed(config, coord.ledger, entry["round"] + 1)
+        weights = replayed_weights(config, coord.ledger, entry["round"] + 1)
         logits = x @ weights[0].T + weights[1]
         assert entry["eval_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-6)
         assert entry["eval_accuracy"] == pytest.approx(float((logits.argmax(1) == y).double().mean()))
@@ -483,6 +472,7 @@ def test_a_ledger_with_a_long_skip_reason_is_saved_and_read_back(tmp_path):
     assert Ledger.read(str(tmp_path))["rounds"][0]["skipped"] == reason
 
 
+@pytest.mark.slow  # about 5 s each on 2 cores (a BERT's forwards)
 @pytest.mark.parametrize("head_only", [True, False])
 def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head_only):
     """The example's ``text`` task: a (tiny) BERT from a folder and sentences from a TSV file. Each node pads its own
@@ -497,8 +487,9 @@ def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head
     config = run_config(rounds=2, task="zo_flower_app.task:text", **{
         "task-model": str(folder), "task-data": str(data), "task-examples": 60, "task-eval-examples": 20,
         "task-head-only": head_only, "eval-every": 2})
-    coord = coordinator(config)
-    coord.run(LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}})))
+    grid = LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}}))
+    coord = coordinator(config, grid)
+    coord.run(grid)
     reference, _ = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
     assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
     trainable = sum(p.numel() for p in coord.replica.table.params)

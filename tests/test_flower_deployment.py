@@ -1,9 +1,10 @@
 """A real deployment on loopback: ``flower-superlink`` and SuperNodes as subprocesses on free ports, the example
-app run with ``flwr run``; its ledger is the one ``ZOByzantineTrainer`` writes in one process. Bounded in time;
-every process is stopped, also on failure."""
+app run with ``flwr run``; its ledger is the one ``ZOByzantineTrainer`` writes in one process; hostile SuperNodes
+(a reply typed as another message, a registration answered late) neither hijack a client nor stall a round.
+Bounded in time; every process is stopped, also on failure."""
 
-import json
 import os
+import shutil
 import time
 
 import pytest
@@ -20,9 +21,10 @@ from flower_helpers import (
 )
 
 from zo_byzantine import Ledger, replay
-from zo_byzantine.flower import read_run_config
+from zo_byzantine.flower import read_rounds_log, read_run_config
 from zo_byzantine.flower.config import build_task
-from zo_byzantine.flower.coordinator import ROUNDS_LOG
+
+pytestmark = pytest.mark.slow  # each test starts a SuperLink and SuperNodes
 
 
 def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
@@ -40,7 +42,7 @@ def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
     elapsed = time.monotonic() - start
     assert os.path.isfile(out / "zo_ledger.json"), (result.stdout[-3000:], result.stderr[-3000:], logs)
     deployed = Ledger.read(str(out))
-    rounds_log = json.loads((out / ROUNDS_LOG).read_text())
+    rounds_log = read_rounds_log(str(out))
     assert [r["accepted"] for r in rounds_log] == [[0, 1, 2]] * 2, rounds_log
     assert all(r["rejected"] == 0 and not r["problems"] for r in rounds_log), rounds_log
     reference, trained = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
@@ -53,15 +55,8 @@ def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
     print(f"loopback deployment: {elapsed:.1f} s for {n} nodes x 2 rounds")
 
 
-def _rounds_log(out) -> list[dict]:
-    try:
-        return json.loads((out / ROUNDS_LOG).read_text())
-    except (OSError, ValueError):  # not written yet, or being replaced
-        return []
-
-
 def _wait_for_rounds(out, count: int, deadline: float, deployment) -> list[dict]:
-    while len(log := _rounds_log(out)) < count:
+    while len(log := read_rounds_log(str(out))) < count:
         assert time.monotonic() < deadline, (log, {n: deployment.tail(n) for n in deployment.logs})
         time.sleep(0.5)
     return log
@@ -98,35 +93,93 @@ def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
     assert all(r["skipped"] is None for r in log), summary
     # what the dead node caused, and nothing else: no reply (the deadline), a reply that is Flower's error, its id
     # still held while the SuperLink counts it connected, its client without a node for a round
-    expected = ("error reply", "held by connected node", "no connected node")
-    assert all(any(e in p for e in expected) for p in problems), problems
-    assert sum(r["rejected"] for r in log) == sum("reply rejected" in p for p in problems), summary
+    expected = ("no reply by the deadline", "error reply", "held by connected node", "no registered node connected")
+    assert all(any(e in p["reason"] for e in expected) for p in problems), problems
+    assert sum(r["rejected"] for r in log) == sum(p["reason"].startswith("reply rejected") for p in problems)
     deployed = Ledger.read(str(out))
     model = build_task(read_run_config(config), config).model
     replay(model, deployed)  # the server's ledger replays from the start weights
     assert [r["participants"] for r in deployed["rounds"]] == [r["accepted"] for r in log]
 
 
-def test_with_tls_and_supernode_authentication_an_unregistered_node_is_refused(tmp_path):
-    """TLS with a CA and server certificate made here (127.0.0.1), ``--enable-supernode-auth``: the SuperNode whose
-    public key was registered (``flwr supernode register``) takes part; one with another key is refused by the
-    SuperLink and never becomes a node of the run."""
+def test_with_tls_and_supernode_authentication_a_node_is_the_client_its_key_is_bound_to(tmp_path):
+    """TLS with a CA and server certificate made here (127.0.0.1), ``--enable-supernode-auth``, and ``client-keys``
+    binding the registered keys to client ids: the SuperNode whose key is bound to client 0 takes part as client 0;
+    a registered SuperNode whose key is bound to client 1 but which claims client 0 is refused by the server (for
+    the run, recorded); one with an unregistered key is refused by the SuperLink and never becomes a node."""
     out = tmp_path / "server_out"
     certificates = make_certificates(tmp_path)
     registered, registered_public = make_node_keys(tmp_path, "registered")
+    impostor, impostor_public = make_node_keys(tmp_path, "impostor")
     stranger, _ = make_node_keys(tmp_path, "stranger")
+    bindings = tmp_path / "client_keys.txt"
+    bindings.write_text("".join(f"{c} {open(k).read().strip()}\n" for c, k in ((0, registered_public),
+                                                                               (1, impostor_public))))
     config = run_config(rounds=1, num_clients=2, clients_per_round=2, num_byzantine=0, aggregator="mean",
-                        **{"output-dir": str(out), "min-nodes": 1, "round-timeout": 60.0})
+                        **{"output-dir": str(out), "min-nodes": 1, "round-timeout": 60.0,
+                           "client-keys": str(bindings)})
     with LocalDeployment(tmp_path, certificates=certificates) as deployment:
         deployment.start_superlink(supernode_auth=True)
-        registration = deployment.register(registered_public)
-        assert registration.returncode == 0, (registration.stdout, registration.stderr)
+        for public in (registered_public, impostor_public):
+            registration = deployment.register(public)
+            assert registration.returncode == 0, (registration.stdout, registration.stderr)
         deployment.start_supernode("registered", {"partition-id": 0, "num-partitions": 2}, private_key=registered)
+        deployment.start_supernode("impostor", {"partition-id": 0, "num-partitions": 2}, private_key=impostor)
         deployment.start_supernode("stranger", {"partition-id": 1, "num-partitions": 2}, private_key=stranger)
         result = deployment.run(EXAMPLE_APP, config, timeout=200)
         logs = {name: deployment.tail(name) for name in deployment.logs}
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:], logs)
-    (entry,) = _rounds_log(out)
-    assert entry["accepted"] == [0] and "client 1: no connected node" in entry["problems"], entry
+    (entry,) = read_rounds_log(str(out))
+    assert entry["accepted"] == [0], entry
+    reasons = [p["reason"] for p in entry["problems"]]
+    assert "no registered node connected" in reasons and any(
+        "claims client 0; its public key is bound to client 1" in r for r in reasons), entry
     assert "Failed to activate SuperNode" in logs["stranger"], logs["stranger"]
     assert Ledger.read(str(out))["rounds"][0]["participants"] == [0]
+
+
+def _hostile_app(root) -> str:
+    """The example app with ``tests/hostile_clientapp.py`` as its ClientApp (the ServerApp unchanged)."""
+    app = os.path.join(str(root), "hostile_app")
+    shutil.copytree(EXAMPLE_APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(os.path.dirname(__file__), "hostile_clientapp.py"),
+                os.path.join(app, "zo_flower_app", "hostile.py"))
+    project = os.path.join(app, "pyproject.toml")
+    with open(project) as f:
+        text = f.read()
+    assert 'clientapp = "zo_flower_app.client_app:app"' in text
+    with open(project, "w") as f:
+        f.write(text.replace('clientapp = "zo_flower_app.client_app:app"', 'clientapp = "zo_flower_app.hostile:app"'))
+    return app
+
+
+def test_a_hostile_supernode_neither_switches_client_by_message_type_nor_stalls_rounds(tmp_path):
+    """Four SuperNodes: clients 0 and 1 honest; node "switch" (client 2) answers every plan with a reply typed
+    ``query`` claiming client 3; node "slow" (client 3) answers its registration query after 1000 s. Each reply is
+    judged against the message it answers: "switch" stays client 2 (its replies rejected and recorded) and client 3
+    gets no node; no round waits for the slow registration (each ends when its plans are answered, far inside
+    round-timeout)."""
+    out = tmp_path / "server_out"
+    timeout = 150.0
+    config = run_config(rounds=2, num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean",
+                        **{"output-dir": str(out), "min-nodes": 3, "round-timeout": timeout})
+    app = _hostile_app(tmp_path)
+    with LocalDeployment(tmp_path) as deployment:
+        deployment.start_superlink()
+        for name, client, hostile in (("node0", 0, {}), ("node1", 1, {}),
+                                      ("switch", 2, {"hostile": "type-switch", "hostile-client": 3}),
+                                      ("slow", 3, {"hostile": "slow-query", "hostile-seconds": 1000.0})):
+            deployment.start_supernode(name, {"partition-id": client, "num-partitions": 4, **hostile})
+        result = deployment.run(app, config, timeout=2 * timeout)  # today's code: 3 x round-timeout, or more
+        logs = {name: deployment.tail(name) for name in deployment.logs}
+    log = read_rounds_log(str(out))
+    assert result.returncode == 0 and len(log) == 2, (result.stdout[-2000:], result.stderr[-2000:], logs)
+    summary = [(r["round"], r["accepted"], r["seconds"], r["problems"]) for r in log]
+    print("hostile nodes:", summary)
+    for entry in log:
+        assert entry["accepted"] == [0, 1] and entry["seconds"] < timeout / 2, summary
+        switched = [p for p in entry["problems"] if p["client"] == 2]
+        assert [p["reason"] for p in switched] == ["reply rejected: a reply typed 'query' to a 'train' message"]
+        assert switched[0]["node"] is not None and switched[0]["round"] == entry["round"]
+        assert {"round": entry["round"], "node": None, "client": 3,
+                "reason": "no registered node connected"} in entry["problems"], summary

@@ -148,8 +148,10 @@ def field_kind(path) -> str:
         return "str"
     if head == "version":
         return "int"
-    if head == "fingerprint":
+    if head in ("fingerprint", "end_fingerprint"):
         return "str|null"
+    if head == "protocol":  # free-form settings: any JSON value inside
+        return "object|null" if n == 1 else "json"
     if head == "parameters":
         return ["list", "list", "str" if n == 3 and path[2] == 0 else "list", "int"][n - 1]
     if head == "weight_decay":
@@ -176,6 +178,11 @@ def field_kind(path) -> str:
 
 
 def accepts(kind: str, value) -> bool:
+    if kind == "json":
+        return value is None or type(value) in (bool, str, list, dict, int) or (
+            type(value) is float and math.isfinite(value))
+    if kind == "object|null":
+        return value is None or type(value) is dict
     if kind == "int":
         return type(value) is int
     if kind in ("number", "number|null"):
@@ -216,12 +223,13 @@ def generic_mutations(data):
             out.append((f"{path} = {candidate!r}", mutated, not accepts(kind, candidate)))
         mutated = copy.deepcopy(data)
         _delete(mutated, path)
-        required = isinstance(path[-1], str) and path[-1] not in OPTIONAL and path[0] != "weight_decay"
+        free = path[0] in ("weight_decay", "protocol")  # objects whose keys the format leaves open
+        required = isinstance(path[-1], str) and path[-1] not in OPTIONAL and not free
         out.append((f"del {path}", mutated, required))
         if isinstance(value, dict):
             mutated = copy.deepcopy(data)
             _set(mutated, path + ("unknown_key",), 1)
-            out.append((f"{path} + unknown key", mutated, True))
+            out.append((f"{path} + unknown key", mutated, path[0] != "protocol"))
     mutated = copy.deepcopy(data)
     mutated["unknown_key"] = 1
     out.append(("top-level unknown key", mutated, True))
@@ -234,7 +242,8 @@ def semantic_mutations(data):
     rounds = data["rounds"]
     breaks = {
         "version 1 (with the v2 fields)": ("version", 1),
-        "version 3": ("version", 3),
+        "version 2 (with the v3 fields)": ("version", 2),
+        "version 4": ("version", 4),
         "version 2.0": ("version", 2.0),
         "format other": ("format", "zo_byzantine.other"),
         "optimizer adam": (("server", "optimizer"), "adam"),
@@ -455,7 +464,7 @@ def test_genuine_ledger_replays_bitwise_from_a_path_a_dict_and_a_ledger(run):
         model = replay(copy.deepcopy(run.start), source)
         assert torch.equal(_flat(model), run.final)
     assert run.data["fingerprint"] == weights_fingerprint(run.start)
-    assert run.data["version"] == 2
+    assert run.data["version"] == 3
 
 
 def test_replay_refuses_other_starting_weights(run):
@@ -545,6 +554,8 @@ def test_record_again_replaces_a_round_and_gaps_are_refused(run):
         ledger.rounds = [genuine[0], genuine[2]]
     assert ledger.rounds == genuine[:2]
     ledger.rounds = genuine
+    assert ledger.end_fingerprint is None  # the weights after replaced rounds are known when saved with them
+    ledger.save(str(run.tmp / "again"), weights=run.trainer.table)
     assert ledger.to_dict() == run.data
 
 
@@ -574,7 +585,8 @@ def test_a_ledger_naming_an_unknown_generator_version_is_refused(run):
 
 def test_version_1_files_are_read_with_a_warning_and_refused_given_a_key(torch_run, caplog):
     run = torch_run
-    v1 = {k: copy.deepcopy(v) for k, v in run.data.items() if k not in ("fingerprint", "digest", "generator")}
+    v1 = {k: copy.deepcopy(v) for k, v in run.data.items()
+          if k not in ("fingerprint", "digest", "generator", "protocol", "end_fingerprint")}
     v1["version"] = 1
     v1["digest"] = hashlib.sha256(_canonical(v1["rounds"])).hexdigest()  # version 1: the rounds only
     with caplog.at_level(logging.WARNING, logger="zo_byzantine.ledger"):
@@ -636,7 +648,7 @@ def test_append_writes_null_for_a_loss_not_computed_and_keeps_the_skip_reason(ru
 
 
 def test_the_file_is_indented_and_parses_to_the_exact_content(run):
-    assert run.raw.startswith(b'{\n  "format": "zo_byzantine.ledger",\n  "version": 2,\n') and run.raw.endswith(b"}\n")
+    assert run.raw.startswith(b'{\n  "format": "zo_byzantine.ledger",\n  "version": 3,\n') and run.raw.endswith(b"}\n")
     assert b'\n  "rounds": [\n    {\n      "round": 0,\n      "lr": ' in run.raw
     assert max(len(line) for line in run.raw.splitlines()) <= 100
     assert json.loads(run.raw) == run.trainer.ledger.to_dict() == run.data

@@ -211,6 +211,19 @@ def test_sampling_is_seeded_and_balanced():
     assert sample(examples, 10**6, seed=3).to_list() == shuffled.to_list()
 
 
+def test_an_evaluation_split_taken_whole_keeps_its_order_and_a_small_class_may_give_all_it_has():
+    examples = load_local_split(load_task("sst2"), os.path.join(DATA, "sst2"), "eval")
+    assert sample(examples, None, seed=3, keep_order=True).to_list() == examples.to_list()
+    assert sample(examples, 10**6, seed=3, keep_order=True).to_list() == examples.to_list()
+    assert sample(examples, 100, seed=3, keep_order=True).to_list() == sample(examples, 100, seed=3).to_list()
+    by_class = [[i for i, y in enumerate(examples["label"]) if y == label] for label in (0, 1)]
+    small = examples.select(by_class[0][:5] + by_class[1][:40])  # 5 negative, 40 positive
+    counts = collections.Counter(sample_per_class(small, 30, 2, seed=0, at_most=True)["label"])
+    assert counts == {0: 5, 1: 30}
+    with pytest.raises(ValueError, match=r"class 0 has only 5 examples; accepted: num_train_per_class <= 5"):
+        sample_per_class(small, 30, 2, seed=0)
+
+
 def test_local_files_load_in_memory_without_writing_next_to_the_data(tmp_path):
     """The csv builder reads the file (quoting off for TSV, a field starting with a quote kept as is); labels
     that map to null are dropped; nothing is cached in the data directory."""

@@ -11,9 +11,10 @@ DESCRIPTION = """\
 Inspect, replay or plot a zo_byzantine run.
 
 RUN_DIR is a run's output directory (or one of its checkpoints) holding zo_ledger.json, which the
-trainer writes at save_model and at the end of train(); trainer_state.json beside it (written by
-trainer.save_state(), and in every checkpoint) adds the evaluation accuracy, the aggregate shift
-and the communication figures. RUN_DIR may also be the ledger file itself.
+trainer writes at save_model and at the end of train(); trainer_state.json beside it (the trainer
+writes it at the end of train(), trainer.save_state() again after a final evaluation; else the last
+checkpoint's is read) adds the evaluation accuracy, the aggregate shift and the communication
+figures. RUN_DIR may also be the ledger file itself.
 
 Every subcommand checks the ledger first (size, schema, SHA-256 digest; with --key or --key-file its
 HMAC) and exits with status 1 and the reason when it fails a check; status 2 is a usage error."""
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a summary table: rounds, skipped rounds and why, participants per round (first and last "
                     "few), honest loss at start/end/min, learning rate range, server settings, parameter count, "
                     "fingerprint, digest (checked) and, from trainer_state.json when present, the evaluation "
-                    "accuracy (start/best/last) and the uplink bytes per client against dense FedAvg.")
+                    "accuracy (start: before training, best, last) and the uplink bytes per client against dense "
+                    "FedAvg.")
     _common(inspect)
     inspect.add_argument("--rounds", action="store_true", help="also print one line per round: round, lr, honest "
                          "loss (null: not computed), participants count, directions, skipped reason")
@@ -106,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = commands.add_parser(
         "plot", help="draw the run's curves to a PNG",
-        description="Write a PNG with four panels: honest loss per round (from the ledger), evaluation accuracy and "
-                    "aggregate shift (from trainer_state.json's log_history), and cumulative uplink bytes per "
-                    "participating client against dense FedAvg's. A panel whose series is missing says why.")
+        description="Write a PNG with four panels, each explained in one line under its title: honest loss per "
+                    "round (from the ledger), evaluation accuracy from the start (before training) on and aggregate "
+                    "shift ||R - honest mean|| (from trainer_state.json's log_history), and cumulative uplink bytes "
+                    "per participating client against dense FedAvg's. A panel whose series is missing says why.")
     _common(plot)
     plot.add_argument("--out", metavar="FILE.png", required=True, help="the PNG to write")
     return parser

@@ -26,7 +26,7 @@ from . import seeds
 from .context import Aggregation, RoundContext, SizingError
 from .ordering import argsort_stable, sort_values
 from .registry import Registry
-from .validation import check_integer, check_real
+from .validation import check_bool, check_fraction, check_integer, check_real
 
 AGGREGATORS = Registry("aggregator")
 PRE_AGGREGATORS = Registry("pre_aggregator")
@@ -325,9 +325,7 @@ class CWTM(Rule):
     name = "cwtm"
 
     def __init__(self, beta: float | None = None):
-        if beta is not None and not 0 <= beta < 0.5:
-            raise ValueError(f"cwtm: beta={beta!r} must be in [0, 0.5).")
-        self.beta = beta
+        self.beta = None if beta is None else check_fraction("cwtm: beta", beta)
 
     def trim(self, m: int, f: int) -> int:
         return f if self.beta is None else math.floor(self.beta * m + 1e-9)
@@ -400,7 +398,7 @@ def krum_scores(vectors: torch.Tensor, f: int, squared: bool = True) -> torch.Te
 class _KrumFamily(Rule):
     def __init__(self, f: int | None = None, squared: bool = True):
         self.f = None if f is None else check_integer(f"{self.name}: f", f, 0)
-        self.squared = bool(squared)
+        self.squared = check_bool(f"{self.name}: squared", squared)
 
     def bound(self, f: int) -> int:
         return f if self.f is None else self.f

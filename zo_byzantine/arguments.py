@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 
 from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
+from .checks import check_bounds
 from .context import SizingError
 from .directions import DISTRIBUTIONS, GENERATORS, build_directions
 from .estimators import ESTIMATORS
@@ -69,6 +70,10 @@ REPLACED = {
     "past_index": "rounds evaluate per-example losses only",
     "deepspeed": "one device per process holds the whole model; sharded perturbation is not implemented",
     "fsdp": "one device per process holds the whole model; sharded perturbation is not implemented",
+    "activation_checkpointing": "zeroth-order forwards keep no activations (no backward: memory is inference's), "
+                                "and the clients' forwards run in eval mode, where transformers skips checkpointing",
+    "gradient_checkpointing": "zeroth-order forwards keep no activations (no backward: memory is inference's), "
+                              "and the clients' forwards run in eval mode, where transformers skips checkpointing",
 }
 
 
@@ -291,9 +296,11 @@ class ZOByzantineArguments(TrainingArguments):
         if not isinstance(self.zo_group_by_length, bool):
             raise ValueError(f"zo_group_by_length={self.zo_group_by_length!r} must be True or False.")
         check_real("zo_cache_budget_gb", self.zo_cache_budget_gb, 0.0)
-        for name in ("clients_per_round", "max_byzantine_per_round", "zo_seed"):
+        for name in ("clients_per_round", "max_byzantine_per_round"):
             if getattr(self, name) is not None:
                 check_integer(name, getattr(self, name), 1 if name == "clients_per_round" else 0)
+        if self.zo_seed is not None:  # an entry of every seed tuple: 64 bits (the ledger's and SeedSequence's range)
+            check_integer("zo_seed", self.zo_seed, 0, 2**64 - 1)
         check_real("zo_eps", self.zo_eps, 0.0, MAX_ZO_EPS, low_open=ESTIMATORS.get(self.estimator).uses_mu
               if self.estimator in ESTIMATORS else True)
         if self.local_learning_rate is not None:
@@ -313,6 +320,7 @@ class ZOByzantineArguments(TrainingArguments):
             if beta == 1.0:
                 raise ValueError(f"server_betas[{i}]=1.0 must be < 1 (the moment would never move).")
         self.server_betas = tuple(float(x) for x in betas)
+        check_bounds(self)  # sizes against memory and the ledger's limit, step intervals, the checkpoint to resume
 
     def validate_protocol(self) -> None:
         """Raise ``ValueError`` naming the field and the accepted values for any invalid setting."""

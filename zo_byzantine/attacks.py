@@ -20,7 +20,7 @@ from . import seeds
 from .context import AttackOutput, RoundContext
 from .ordering import sort_values
 from .registry import Registry
-from .validation import check_integer, check_real, is_number
+from .validation import check_fraction, check_integer, check_real, is_number
 
 ATTACKS = Registry("attack")
 register_attack = ATTACKS.register
@@ -72,7 +72,7 @@ class OmegaAttack(Attack):
             raise ValueError(f"omega={omega!r}: a finite number or 'auto'.")
         if target not in ("pipeline", "rule"):
             raise ValueError(f"target={target!r} is not supported; accepted: pipeline, rule.")
-        if isinstance(candidates, str) or not len(candidates):
+        if not isinstance(candidates, list | tuple) or not len(candidates):
             raise ValueError(f"candidates={candidates!r}: a non-empty list of numbers (the omega grid).")
         if not all(is_number(c) and math.isfinite(c) for c in candidates):
             raise ValueError(f"candidates={candidates!r}: every omega must be a finite number.")
@@ -144,8 +144,8 @@ class OrderStatisticAttack(Attack):
     honest median: the attack then pushes the trimmed mean toward the middle."""
 
     def __init__(self, beta: float | None = None, ranked: str = "honest"):
-        if beta is not None and not 0 < beta < 0.5:
-            raise ValueError(f"{type(self).__name__}: beta={beta!r} must be in (0, 0.5).")
+        if beta is not None:
+            check_fraction(f"{type(self).__name__}: beta", beta, low_open=True)
         if ranked not in ("honest", "all"):
             raise ValueError(f"{type(self).__name__}: ranked={ranked!r} is not supported; accepted: honest, all.")
         self.beta, self.ranked = beta, ranked

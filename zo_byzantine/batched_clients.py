@@ -20,7 +20,7 @@ import torch
 
 from .chunks import chunk_size, rows_of, slice_rows, token_extents, trimmed
 from .local_models import LocalModels, rows_only_parameters
-from .losses import client_losses, per_example_loss
+from .losses import client_losses
 from .perturbation import ParameterTable, Terms, antithetic, perturbed, stacked
 from .schedule import Schedule
 
@@ -39,6 +39,10 @@ def _tensor_bytes(value) -> int:
     if isinstance(value, tuple | list):
         return sum(_tensor_bytes(v) for v in value)
     return 0
+
+
+class _Reached(Exception):
+    """Ends a probe forward at the first trainable module it reaches."""
 
 
 class BatchedClients:
@@ -324,11 +328,39 @@ class BatchedClients:
         with stacked(self.table, models, rows, usage), self.context():
             return self.forward(self.model, inputs)
 
+    def _first_owner_reads_the_input(self) -> bool:
+        """Whether the first trainable module one plain forward (of one example) reaches is a plain ``nn.Linear`` on
+        that example's rows: only then do stacked models share a matrix product. Once another owner (an embedding, a
+        norm) has run, every later module reads activations that differ between the models, and the model's own
+        per-row tensors (an attention mask, the positions a head reads) no longer match them."""
+        first = []
+
+        def hook(module, args, kwargs):
+            first.append(type(module).forward is torch.nn.Linear.forward and "forward" not in module.__dict__
+                         and len(args) == 1 and not kwargs and torch.is_tensor(args[0]) and args[0].dim() > 1
+                         and args[0].shape[0] == 1)
+            raise _Reached
+
+        hooks = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, _ in self.table.owners]
+        try:
+            with torch.no_grad(), self.context():
+                self.forward(self.model, slice_rows(self.inputs, 0, 1, rows_of(self.inputs)))
+        except _Reached:
+            pass
+        finally:
+            for handle in hooks:
+                handle.remove()
+        return bool(first and first[0])
+
     def checked_stacking(self, offset: Terms, seeds: list[list[int]], mu: float, reference) -> tuple | None:
         """The stacked losses if stacked forwards fit the budget, make a shared matrix product (else they would
         only split each module's forward, which costs more than it saves) and give ``reference`` (the
         one-at-a-time losses); else ``None``."""
         if not self.schedule._fits(self.table, 2 * len(seeds[0])):
+            return None
+        if not self._first_owner_reads_the_input():
+            logger.info("zo_schedule='auto': stacked directions not used (the first trainable module a forward reaches "
+                        "is not a linear layer on the examples: no shared matrix product).")
             return None
         usage: dict = {}
         seen = [0]  # bytes of every module's outputs in the probe
@@ -348,7 +380,8 @@ class BatchedClients:
                 return None
             self.schedule.stack_rows = max(1, STACKED_BYTES // max(MIN_ROW_BYTES, seen[0] // 2))
             candidate = self._stacked(offset, seeds, mu)
-        except Exception as err:  # noqa: BLE001 -- any model may fail to run stacked: then it is not stacked
+        except (RuntimeError, ValueError) as err:  # shapes a model cannot take stacked (its own per-row tensors read
+            # beside the stacked activations): then it is not stacked; another error is a bug, raised
             logger.info("zo_schedule='auto': stacked directions not used (%s: %s).", type(err).__name__, err)
             return None
         agrees = all(torch.allclose(c, r, rtol=1e-4, atol=1e-6) for c, r in zip(candidate, reference, strict=True))
@@ -394,7 +427,7 @@ class BatchedClients:
         for i, terms in enumerate(terms_per_client):
             chunk = self.client_inputs(i)
             with torch.enable_grad(), perturbed(table, terms), self.context():
-                sums, counts = per_example_loss(self.model, self.model(**chunk), chunk.get("labels"))
+                sums, counts = self.forward(self.model, chunk)  # the rounds' loss route (losses.PerExampleForward)
                 loss = sums.sum() / counts.sum()
                 found = torch.autograd.grad(loss, table.params, allow_unused=True)
             grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(table.params, found, strict=True)])

@@ -137,6 +137,11 @@ class Directions:
         """``param + sum_k c_k z_k[index]`` as a new tensor (gradients flow to ``param``)."""
         raise NotImplementedError
 
+    def perturb_(self, copy: torch.Tensor, index: int, terms: Terms, cache: dict | None = None) -> None:
+        """In place: ``copy <- perturb(copy, index, terms, cache)``, the same bits, into a streamed layer's private
+        copy (no second copy of it; never a weight)."""
+        copy.copy_(self.perturb(copy, index, terms, cache))
+
     def step_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, cache: dict | None = None) -> None:
         """In place: ``param <- param - lr sum_k c_k z_k[index]``; the only write to the weights."""
         raise NotImplementedError
@@ -187,6 +192,8 @@ class TorchDirections(Directions):
         return result
 
     def perturb(self, param, index, terms, cache=None):
+        if not terms:  # no direction: the weights themselves (a copy, as with terms)
+            return param.clone()
         return param + self.total(param.detach(), index, terms, cache)
 
     def step_(self, param, index, terms, lr, cache=None):
@@ -299,6 +306,12 @@ class CounterDirections(Directions):
         if cache is None and self._native(param) and not (torch.is_grad_enabled() and param.requires_grad):
             return self._kernel_sum(param.detach(), index, terms, in_place=False)
         return (param.to(ct) + self._accumulate(param.detach(), index, terms, cache)).to(param.dtype)
+
+    def perturb_(self, copy, index, terms, cache=None):
+        if terms and cache is None and self._native(copy):
+            self._kernel_sum(copy, index, terms, in_place=True)  # the kernel's in-place sum: perturb's bits
+        else:
+            super().perturb_(copy, index, terms, cache)
 
     def step_(self, param, index, terms, lr, cache=None):
         self._real(param)

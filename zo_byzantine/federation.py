@@ -79,19 +79,34 @@ def partition_dataset(
 
 
 def dataset_labels(dataset) -> np.ndarray | None:
-    """The label column of ``dataset`` (``labels`` or ``label``), or ``None``."""
+    """The label column of ``dataset`` (``labels`` or ``label``), one class per example, or ``None`` when it has
+    none. Labels that are not one number per example (token-level labels: sequences) raise a ``ValueError`` naming
+    the column."""
+    names = getattr(dataset, "column_names", None)
     for column in ("labels", "label"):
-        names = getattr(dataset, "column_names", None)
         if names is not None and column in names:
-            return np.asarray(dataset[column])
+            return _one_per_example(dataset[column], column)
     try:
         first = dataset[0]
     except (TypeError, IndexError, KeyError):
         return None
     for column in ("labels", "label"):
         if isinstance(first, dict) and column in first:
-            return np.asarray([int(dataset[i][column]) for i in range(len(dataset))])
+            values = [dataset[i][column] for i in range(len(dataset))]
+            return _one_per_example([v.item() if getattr(v, "ndim", None) == 0 else v for v in values], column)
     return None
+
+
+def _one_per_example(values, column: str) -> np.ndarray:
+    try:
+        labels = np.asarray(values)
+    except ValueError:  # sequences of different lengths
+        labels = None
+    if labels is None or labels.ndim != 1 or labels.dtype.kind not in "biuf":
+        example = values[0] if len(values) else None
+        raise ValueError(f"the training set's {column!r} are not one class per example (example 0: "
+                         f"{str(example)[:40]}, {type(example).__name__}): token-level labels?")
+    return labels
 
 
 class Federation:

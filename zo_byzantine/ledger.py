@@ -5,10 +5,10 @@ from the starting weights, bitwise, by applying ``w <- w - lr_t * (sum_r R_t[r] 
 round after round (with the server's AMSGrad state when it uses one). Dense rounds (first-order,
 parameter-space aggregation) are marked and cannot be replayed.
 
-File format (version 2), one JSON object::
+File format (version 3), one JSON object::
 
     format        "zo_byzantine.ledger"
-    version       2
+    version       3
     parameters    [[name, [dim, ...]], ...]       trainable parameters, table order
     weight_decay  {name: wd}                      decayed parameters only
     server        {optimizer, local_lr, betas, eps, v0}
@@ -16,6 +16,12 @@ File format (version 2), one JSON object::
                   absent in files written before it was recorded, which were all made by ``torch`` version 1
     fingerprint   SHA-256 (hex) of the starting trainable weights (see :func:`weights_fingerprint`), or
                   null when unknown (a run resumed from a version-1 ledger)
+    protocol      the protocol settings the rounds were computed with (every setting that changes what a round
+                  computes: seed, estimator, mu, directions per step, local steps, clients, Byzantine clients,
+                  partition, batch, rule and attack with their parameters; see ``checkpoints.run_protocol``): an
+                  object, or null when the driver that wrote the ledger did not give them
+    end_fingerprint  SHA-256 (hex) of the trainable weights after the last round, taken when the file was saved
+                  (a checkpoint's ledger names the checkpoint's weights), or null when not known
     rounds        [{round, lr[, loss][, participants], seeds, coefficients[, skipped][, dense]}, ...]
                   ``round`` == its index; ``loss``: the round's mean honest loss (a finite number), or null when
                   it was not computed (or not finite); ``participants``: ids (distinct ints >= 0) of the clients
@@ -44,9 +50,15 @@ The fingerprint ties the ledger to the starting weights: ``replay`` refuses a mo
 weights (values, dtypes, shapes) differ from those the run started from, so a different initialisation
 cannot replay "successfully" into wrong weights.
 
-Version-1 files (digest over the rounds only, no fingerprint) are still read, for replay and to resume,
-with a logged warning: their header (parameters, weight decay, server) is not protected and their
-starting weights cannot be checked. Given a key, they are refused (they carry no HMAC).
+The protocol and the end fingerprint tie a checkpoint's ledger to its run: a resumed run refuses a ledger whose
+protocol differs from its own settings (naming each setting) or whose end fingerprint is not that of the
+checkpoint's weights (another run's ledger, or another checkpoint's).
+
+Version-2 files (no protocol, no end fingerprint) are still read, replayed and resumed from, with a logged
+warning on resume: their settings and their checkpoint's weights cannot be checked. Version-1 files (digest over
+the rounds only, no fingerprint) are still read, for replay and to resume, with a logged warning: their header
+(parameters, weight decay, server) is not protected and their starting weights cannot be checked. Given a key,
+they are refused (they carry no HMAC).
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ import re
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .directions import DISTRIBUTIONS, GENERATORS, TorchDirections, from_description
 from .optim import SERVER_OPTIMIZERS, ZOOptimizer, update_fits
@@ -73,8 +86,8 @@ logger = logging.getLogger(__name__)
 
 LEDGER_NAME = "zo_ledger.json"
 FORMAT = "zo_byzantine.ledger"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MAX_BYTES = 1 << 30  # 1 GiB: 10^5 rounds x 64 directions x 100 participants take about 0.4 GB
 MAX_DEPTH = 8  # a valid ledger nests 5 deep (object, rounds, round, seeds, seed tuple)
 SEED_LIMIT = 1 << 64  # seed tuple entries are in [0, 2^64)
@@ -86,6 +99,8 @@ _KEYS = {
     1: ({"format", "version", "parameters", "weight_decay", "server", "rounds", "digest"}, set()),
     2: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "rounds", "digest"},
         {"hmac", "generator"}),
+    3: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "protocol", "end_fingerprint",
+         "rounds", "digest"}, {"hmac", "generator"}),
 }
 _ROUND_KEYS = ({"round", "lr", "seeds", "coefficients"}, {"loss", "participants", "skipped", "dense"})
 CLIENT_LIMIT = 1 << 63  # client ids are in [0, 2^63)
@@ -268,6 +283,28 @@ def _check_generator(generator) -> None:
         _fail("generator.distribution", f"one of {list(DISTRIBUTIONS)}", generator["distribution"])
 
 
+def _check_value(value, path: str) -> None:
+    """A JSON value of a settings object: null, bool, str, finite number, or a list / object (str keys) of them."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _check_value(item, f"{path}.{name}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(item, f"{path}[{i}]")
+    elif is_number(value):
+        _finite(value, path)
+    elif value is not None and not isinstance(value, bool | str):
+        _fail(path, "a JSON value (null, bool, str, finite number, list or object)", value)
+
+
+def _check_protocol(protocol) -> None:
+    if protocol is None:
+        return
+    if not isinstance(protocol, dict):
+        _fail("protocol", "an object or null", protocol)
+    _check_value(protocol, "protocol")
+
+
 def generator_of(data: dict) -> dict:
     """The generator a checked ledger names; files without the field were written with ``torch`` version 1."""
     return data.get("generator") or TorchDirections().describe()
@@ -288,6 +325,10 @@ def _check_content(data) -> int:
             _check_generator(data["generator"])
         if data["fingerprint"] is not None:
             _hex64(data["fingerprint"], "fingerprint")
+        if version >= 3:
+            _check_protocol(data["protocol"])
+            if data["end_fingerprint"] is not None:
+                _hex64(data["end_fingerprint"], "end_fingerprint")
         if "hmac" in data:
             _hex64(data["hmac"], "hmac")
     _hex64(data["digest"], "digest")
@@ -469,14 +510,61 @@ def weights_fingerprint(model: nn.Module | ParameterTable) -> str:
     return digest.hexdigest()
 
 
+def protocol_differences(theirs: dict | None, ours: dict | None) -> list[str]:
+    """``protocol.<setting>: the ledger has <value>, this run <value>`` for every setting that differs between two
+    protocol objects (the ledger's, this run's); none when either is unknown (null)."""
+    if theirs is None or ours is None:
+        return []
+    return [f"protocol.{name}: the ledger has {_describe(theirs.get(name))}, this run {_describe(ours.get(name))}"
+            for name in sorted(set(theirs) | set(ours)) if theirs.get(name) != ours.get(name)]
+
+
+def refuse_differences(details: list[str], source: str) -> None:
+    """Raise :class:`LedgerError` listing ``details`` (settings that differ between ``source`` and this run), if any."""
+    if details:
+        names = ", ".join(detail.split(":")[0] for detail in details)
+        raise LedgerError(f"Cannot continue {source}: its {names} differ from this run's ({'; '.join(details)}). "
+                          "Resume with the run's settings, or start a new run (another output_dir).")
+
+
+_TEMPORARY = re.compile(r"\." + re.escape(LEDGER_NAME) + r"\.(\d+)\.tmp")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporary files that ledger writers left in ``directory`` when they died (killed while writing);
+    a live process's file is kept. Returns the names removed."""
+    removed = []
+    for name in os.listdir(directory):
+        match = _TEMPORARY.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or no such pid here: keep the file
+        pass
+    return True
+
+
 class Ledger:
-    """Append-only record of a run's rounds, and the fingerprint of its starting weights.
+    """Append-only record of a run's rounds, the fingerprint of its starting weights and its protocol settings.
 
     Created when the optimizer is (the model holds its starting weights then); a resumed run calls
     :meth:`continue_from` with the checkpoint's ledger, which brings the run's fingerprint and rounds.
+    ``protocol``: the settings that change what a round computes (a JSON object), checked on resume.
     """
 
-    def __init__(self, optimizer: ZOOptimizer, rounds: list | None = None):
+    def __init__(self, optimizer: ZOOptimizer, rounds: list | None = None, protocol: dict | None = None):
         table = optimizer.table
         self.parameters = [[name, [int(d) for d in p.shape]] for name, p in zip(table.names, table.params, strict=True)]
         self.weight_decay = {table.names[i]: float(wd) for i, wd in sorted(optimizer.weight_decay().items())}
@@ -489,6 +577,11 @@ class Ledger:
         }
         self.generator = table.directions.describe()
         self.fingerprint: str | None = weights_fingerprint(table)
+        if protocol is not None:  # JSON values only (it is written), as read back
+            protocol = json.loads(json.dumps(protocol, allow_nan=False))
+            _check_protocol(protocol)
+        self.protocol = protocol
+        self.end_fingerprint: str | None = None  # the weights after the last round, set when saved with them
         self._rounds: list[dict] = []
         if rounds:
             self.rounds = rounds
@@ -506,6 +599,7 @@ class Ledger:
         except LedgerError as err:
             raise LedgerError(f"Ledger rounds: {err}") from None
         self._rounds = copy.deepcopy(list(rounds))
+        self.end_fingerprint = None
 
     def record(
         self,
@@ -553,6 +647,7 @@ class Ledger:
             raise LedgerError(f"Ledger.record: {err}") from None
         del self._rounds[t:]
         self._rounds.append(entry)
+        self.end_fingerprint = None  # the weights after this round are known when saved
 
     def append(self, downlink) -> None:
         """The round of a :class:`~zo_byzantine.messages.Downlink`, with its honest loss and participants."""
@@ -560,25 +655,41 @@ class Ledger:
                     skipped=downlink.skipped, dense=downlink.dense is not None, loss=downlink.loss,
                     participants=downlink.participants)
 
-    def continue_from(self, data: dict, key: bytes | None = None) -> None:
-        """Resume: adopt the fingerprint and rounds of ``data`` (a ledger as :meth:`read` returns it, checked
-        again here, with its HMAC given ``key``), whose header (parameters, weight_decay, server) must equal
-        this ledger's. Raises :class:`LedgerError` naming every header field that differs."""
+    def continue_from(self, data: dict, key: bytes | None = None, weights: nn.Module | ParameterTable | None = None,
+                      source: str = "the ledger") -> None:
+        """Resume: adopt the fingerprints and rounds of ``data`` (a ledger as :meth:`read` returns it, checked
+        again here, with its HMAC given ``key``), whose header (parameters, weight_decay, server, generator) and
+        protocol settings must equal this ledger's. With ``weights`` (the model or table the run continues from),
+        their fingerprint must be the ledger's ``end_fingerprint``: a ledger saved with other weights (another
+        run's, another checkpoint's) is refused. Raises :class:`LedgerError` naming every field that differs."""
         data = _check(data, "to continue from", key)
         theirs = {**{name: data[name] for name in HEADER if name in data}, "generator": generator_of(data)}
         differ = [name for name in HEADER if theirs[name] != getattr(self, name)]
-        if differ:
-            details = "; ".join(
-                f"{name}: the ledger has {_describe(theirs[name])}, this run {_describe(getattr(self, name))}"
-                for name in differ
+        details = [f"{name}: the ledger has {_describe(theirs[name])}, this run {_describe(getattr(self, name))}"
+                   for name in differ]
+        protocol = data.get("protocol")
+        refuse_differences(details + protocol_differences(protocol, self.protocol), source)
+        if protocol is None and self.protocol is not None:
+            logger.warning("%s records no protocol settings (written before version 3): resuming cannot check that "
+                           "this run's settings are the ones its rounds were computed with.", source.capitalize())
+        end = data.get("end_fingerprint")
+        loaded = None if weights is None or end is None else weights_fingerprint(weights)
+        if weights is not None and end is None:
+            logger.warning("%s records no fingerprint of the weights it was saved with: resuming cannot check that it "
+                           "belongs to these weights.", source.capitalize())
+        elif loaded is not None and loaded != end:
+            raise LedgerError(
+                f"Cannot continue {source}: it was saved with other weights than those loaded (its end_fingerprint "
+                f"{end[:12]}... is not the loaded weights' {loaded[:12]}...): it belongs to another run or another "
+                "checkpoint. Restore the checkpoint's own zo_ledger.json."
             )
-            fields = ", ".join(differ)
-            raise LedgerError(f"Cannot continue the ledger: its {fields} differ from this run's ({details}).")
         fingerprint = data.get("fingerprint")
         if fingerprint is None:
             logger.warning("The ledger continued records no fingerprint of the starting weights: its replay will not "
                            "check them.")
-        self.fingerprint = fingerprint
+        self.fingerprint, self.end_fingerprint = fingerprint, end
+        if protocol is not None:
+            self.protocol = copy.deepcopy(protocol)
         self._rounds = copy.deepcopy(list(data["rounds"]))
 
     def to_dict(self, key: bytes | None = None) -> dict:
@@ -591,6 +702,8 @@ class Ledger:
             "server": self.server,
             "generator": self.generator,
             "fingerprint": self.fingerprint,
+            "protocol": self.protocol,
+            "end_fingerprint": self.end_fingerprint,
             "rounds": self._rounds,
         }
         if key is not None:
@@ -598,10 +711,14 @@ class Ledger:
         data["digest"] = _digest(data)
         return data
 
-    def save(self, directory: str, key: bytes | None = None) -> str:
-        """Write ``directory/zo_ledger.json`` (atomically: a crash leaves the previous file); with ``key``, an
-        HMAC that :meth:`read` checks when given the same key."""
+    def save(self, directory: str, key: bytes | None = None, weights: nn.Module | ParameterTable | None = None) -> str:
+        """Write ``directory/zo_ledger.json`` (atomically: a crash leaves the previous file, and the temporary files
+        of writers that died are removed); with ``key``, an HMAC that :meth:`read` checks when given the same key.
+        ``weights``: the model (or table) after the last round, whose fingerprint is recorded (``end_fingerprint``)."""
+        if weights is not None:
+            self.end_fingerprint = weights_fingerprint(weights)
         os.makedirs(directory, exist_ok=True)
+        remove_stale_temporaries(directory)
         path = os.path.join(directory, LEDGER_NAME)
         text = dumps(self.to_dict(key))
         tmp = os.path.join(directory, f".{LEDGER_NAME}.{os.getpid()}.tmp")
@@ -664,9 +781,11 @@ def apply_round(optimizer: ZOOptimizer, entry: dict) -> None:
 
 
 def replay(
-    model: nn.Module, ledger: dict | str | os.PathLike | Ledger, key: bytes | None = None, max_bytes: int = MAX_BYTES
+    model: nn.Module, ledger: dict | str | os.PathLike | Ledger, key: bytes | None = None, max_bytes: int = MAX_BYTES,
+    progress: bool = False,
 ) -> nn.Module:
-    """Apply every recorded round to ``model`` (at its starting weights), in place; returns it.
+    """Apply every recorded round to ``model`` (at its starting weights), in place; returns it (``progress``: a
+    progress bar of the rounds on stderr).
 
     ``ledger``: a path (file or directory), a dict (as :meth:`Ledger.read` or :meth:`Ledger.to_dict` returns
     it: checked again) or a :class:`Ledger`. Refused with :class:`LedgerError`, before any weight is written:
@@ -721,7 +840,7 @@ def replay(
         raise LedgerError(f"Ledger server settings: {err}") from err
     start = [p.detach().clone() for p in table.params]  # a refused replay leaves the model as it was
     try:
-        for entry in data["rounds"]:
+        for entry in tqdm(data["rounds"], desc="replaying", unit="round", disable=not progress):
             apply_round(optimizer, entry)
         if not all(bool(torch.isfinite(p).all()) for p in table.params):
             raise LedgerError("The replayed weights are not finite: the ledger's updates overflow the weights.")
@@ -730,4 +849,8 @@ def replay(
             for p, saved in zip(table.params, start, strict=True):
                 p.copy_(saved)
         raise
+    end = data.get("end_fingerprint")
+    if end is not None and weights_fingerprint(table) != end:
+        logger.warning("The replayed weights differ from those the ledger was saved with (end_fingerprint): replay on "
+                       "the device type the run trained on (torch-generator runs), or check the ledger's origin.")
     return model

@@ -1,37 +1,30 @@
-"""``compute_metrics`` for the Trainer through the ``evaluate`` library, offline.
+"""``compute_metrics`` for the Trainer: accuracy and macro-F1 by scikit-learn, offline.
 
-``evaluate.load("accuracy")`` fetches the metric script from the Hub; we load our own metric
-modules from their file paths instead (evaluate's local-module mechanism), which needs no network.
+scikit-learn's ``accuracy_score`` and ``f1_score(average="macro")`` (the mean over the classes present in the
+predictions or the references, as GLUE's and LM-BFF's macro-F1) are plain functions: nothing to download.
+``evaluate.load("accuracy")`` would fetch its script from the Hub, which an offline machine cannot.
 """
 
 from __future__ import annotations
 
-from importlib import resources
-
-import evaluate
 import numpy as np
+from sklearn.metrics import accuracy_score, f1_score
 
-MODULES = {"accuracy": "accuracy.py", "f1": "macro_f1.py"}
-
-
-def load_metric(name: str):
-    """An ``evaluate`` module for ``accuracy`` or ``f1`` (macro), loaded from a local file."""
-    if name not in MODULES:
-        raise ValueError(f"metric {name!r} is not supported; accepted: {', '.join(MODULES)}.")
-    path = resources.files("zo_byzantine.evaluate_modules") / MODULES[name]
-    return evaluate.load(str(path))
+METRICS = {
+    "accuracy": lambda predicted, references: float(accuracy_score(references, predicted)),
+    "f1": lambda predicted, references: float(f1_score(references, predicted, average="macro")),
+}
 
 
 def compute_metrics_fn(names: list[str]):
-    """``compute_metrics(EvalPrediction) -> {name: value}`` from class logits."""
-    modules = {name: load_metric(name) for name in names}
+    """``compute_metrics(EvalPrediction) -> {name: value}`` from class logits (``accuracy``, ``f1``: macro)."""
+    unknown = [name for name in names if name not in METRICS]
+    if unknown:
+        raise ValueError(f"metric {unknown[0]!r} is not supported; accepted: {', '.join(METRICS)}.")
 
     def compute_metrics(prediction):
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
         predicted = np.asarray(logits).argmax(axis=-1)
-        out = {}
-        for module in modules.values():
-            out.update(module.compute(predictions=predicted, references=prediction.label_ids))
-        return out
+        return {name: METRICS[name](predicted, np.asarray(prediction.label_ids)) for name in names}
 
     return compute_metrics

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .directions import COUNTER, Directions, Terms, build_directions, direction_seed, tensor_seed
+from .offload import stream_of
 
 __all__ = ["COUNTER", "ParameterTable", "Terms", "antithetic", "apply_update", "direction_seed", "perturbed",
            "tensor_seed"]
@@ -43,6 +44,7 @@ class ParameterTable:
 
     def __init__(self, model: nn.Module, directions: Directions | None = None):
         self.directions = directions if directions is not None else build_directions()
+        self.stream = stream_of(model)  # offloaded modules (accelerate) streamed layer by layer; None: all resident
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         index_of: dict[int, int] = {}
@@ -105,6 +107,13 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
         for name, index in owned_by[id(module)]:
             param = module._parameters[name]
             table.reached.add(index)
+            loaded = stream.private(param) if stream is not None and base is None else None
+            if loaded is not None:  # a streamed layer's private copy on the execution device: perturbed in place,
+                if not loaded.perturbed:  # once per load (tied owners share it), and never written back
+                    table.directions.perturb_(param.data, index, terms, cache)
+                    loaded.perturbed = True
+                originals.append((name, param))
+                continue
             shifted = tied.get(index)
             if shifted is None:
                 if base is None:
@@ -127,6 +136,7 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
         restore(module)
 
     owned_by = {id(module): owned for module, owned in table.owners}
+    stream = table.stream
     try:
         for module, _ in table.owners:
             handles.append(module.register_forward_pre_hook(swap_in))
@@ -164,20 +174,32 @@ def apply_update(
     that is not multi-threaded itself gets them mapped over a small thread pool (torch releases the
     GIL); the arithmetic per tensor is unchanged. With ``cache`` (directions kept by the ``cached``
     schedule) no ``z`` is drawn again.
+
+    A streamed tensor (``table.stream``: an offloaded model) is updated where it lives, its home (``offload.py``):
+    the store file through its shared mapping, or CPU memory; its ``z`` regenerated (the same bits as kept ones, and
+    where the home is), its pages faulted in while the tensor before it is updated and dropped after.
     """
-    directions = table.directions
+    directions, stream = table.directions, table.stream
+    if stream is not None:
+        stream.drop_read_ahead()  # copies read before this update would be stale
 
     def update(item):
         index, param = item
+        streamed = stream is not None and stream.holds(param)
         with torch.no_grad():  # grad mode is per thread
             decay = (weight_decay or {}).get(index, 0.0)
             if decay:
                 param.mul_(1.0 - lr * decay)
             if terms:
-                directions.step_(param, index, terms, lr, cache)
+                directions.step_(param, index, terms, lr, None if streamed else cache)
+        if streamed:
+            stream.updated(param)
 
     if directions.threads_per_tensor:
-        for item in table:
+        items = list(table)
+        for k, item in enumerate(items):
+            if stream is not None and k + 1 < len(items):
+                stream.prefault(items[k + 1][1])
             update(item)
     else:
         list(_POOL.map(update, table))

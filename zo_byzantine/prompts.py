@@ -28,7 +28,7 @@ def label_token_ids(spec: TaskSpec, tokenizer, kind: str) -> list[int]:
     options are taken verbatim. A word that is not one token fails, naming word and tokenizer."""
     ids = []
     for label in spec.labels:
-        word = " " + spec.label_words[label] if kind == "masked_lm" else spec.causal_lm_words[label]
+        word = (" " if kind == "masked_lm" else "") + spec.words(kind)[label]
         tokens = tokenizer(word, add_special_tokens=False)["input_ids"]
         if len(tokens) != 1:
             pieces = tokenizer.convert_ids_to_tokens(tokens)
@@ -93,7 +93,7 @@ def encode_example(example: dict, spec: TaskSpec, tokenizer, kind: str, max_leng
     """``{"input_ids", "attention_mask", "labels"}`` for one example."""
     texts = [example["text_a"], example.get("text_b")]
     encode = encode_masked if kind == "masked_lm" else encode_causal
-    ids = encode(spec.templates[kind], texts, tokenizer, max_length or spec.max_length)
+    ids = encode(spec.template(kind), texts, tokenizer, max_length or spec.max_length)
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": example["label"]}
 
 

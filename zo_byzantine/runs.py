@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,9 @@ from .server import BYTES_PER_SCALAR
 from .validation import is_number
 
 TRAINER_STATE = "trainer_state.json"
+RESULTS = "all_results.json"  # trainer.save_metrics(...)'s summary: the main job's start_accuracy is there
+START = (f"no start_accuracy in {RESULTS} nor an eval_accuracy at step 0 in the log history: eval_on_start=True, or "
+         "trainer.save_metrics('eval', {'start_accuracy': ...}) after evaluate(metric_key_prefix='start'), records it")
 STATE_MAX_BYTES = 1 << 28  # 256 MiB: a trainer_state.json larger than this is not read
 FEW = 3  # rounds shown at each end of the participants' summary
 IDS_SHOWN = 8  # client ids shown per round before "..."
@@ -46,10 +50,22 @@ class Run:
     state_path: str | None = None  # trainer_state.json, when it was found and read
     log_history: list[dict] = field(default_factory=list)
     state_note: str = ""  # why there is no log history, when there is none
+    results: dict = field(default_factory=dict)  # all_results.json, when there is one
 
     @property
     def rounds(self) -> list[dict]:
         return self.ledger["rounds"]
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from ``path`` (at most :data:`STATE_MAX_BYTES`)."""
+    if os.path.getsize(path) > STATE_MAX_BYTES:
+        raise ValueError(f"larger than {STATE_MAX_BYTES} bytes")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
 
 
 def load_run(path: str | os.PathLike, key: bytes | None = None, max_bytes: int = MAX_BYTES) -> Run:
@@ -66,16 +82,22 @@ def load_run(path: str | os.PathLike, key: bytes | None = None, max_bytes: int =
                           f"holding {LEDGER_NAME}, or the ledger file itself.")
     ledger = Ledger.read(ledger_path, key=key, max_bytes=max_bytes)
     run = Run(directory, ledger_path, ledger, os.path.getsize(ledger_path), key is not None)
+    try:
+        run.results = _read_json(os.path.join(directory, RESULTS))
+    except (OSError, ValueError, RecursionError):
+        pass  # optional: a missing or unreadable summary only loses the start accuracy
     state_path = os.path.join(directory, TRAINER_STATE)
+    if not os.path.isfile(state_path):  # a run made before the trainer wrote it at the end of train(): a checkpoint's
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(directory) if os.path.isdir(directory) else None
+        state_path = os.path.join(last, TRAINER_STATE) if last else state_path
     if not os.path.isfile(state_path):
-        run.state_note = f"no {TRAINER_STATE} in {directory} (the Trainer writes it with trainer.save_state())"
+        run.state_note = (f"no {TRAINER_STATE} in {directory} nor in a checkpoint of it (the trainer writes it at the "
+                          "end of train(), and trainer.save_state() after a final evaluation)")
         return run
     try:
-        if os.path.getsize(state_path) > STATE_MAX_BYTES:
-            raise ValueError(f"larger than {STATE_MAX_BYTES} bytes")
-        with open(state_path, encoding="utf-8") as f:
-            state = json.load(f)
-        history = state.get("log_history") if isinstance(state, dict) else None
+        history = _read_json(state_path).get("log_history")
         if not isinstance(history, list):
             raise ValueError("it has no log_history list")
     except (OSError, ValueError, RecursionError) as err:
@@ -113,6 +135,18 @@ def log_series(run: Run, name: str) -> tuple[list[int], list[float]]:
             steps.append(step)
             values.append(value)
     return steps, values
+
+
+def start_accuracy(run: Run) -> tuple[int, float] | None:
+    """``(0, accuracy)`` of the evaluation before training: an ``eval_accuracy`` logged at step 0 (``eval_on_start``),
+    else ``start_accuracy`` in ``all_results.json`` (``evaluate(metric_key_prefix="start")`` before ``train()``,
+    saved with ``save_metrics``, as the main job does: ``train()`` starts a log history without it); None when
+    there is none."""
+    steps, values = log_series(run, "eval_accuracy")
+    if steps and steps[0] == 0:
+        return 0, values[0]
+    value = _number(run.results.get("start_accuracy"))
+    return None if value is None else (0, value)
 
 
 def bytes_per_client(run: Run) -> tuple[float, float] | None:
@@ -190,11 +224,14 @@ def summarize(run: Run) -> dict:
             "end": (steps[-1], values[-1]) if values else None,
             "min": (steps[low], values[low]) if values else None,
         }
-    steps, values = log_series(run, "eval_accuracy")
-    if values:
-        best = max(range(len(values)), key=values.__getitem__)
-        out["eval_accuracy"] = {"start": (steps[0], values[0]), "best": (steps[best], values[best]),
-                                "last": (steps[-1], values[-1]), "evaluations": len(values)}
+    start, (steps, values) = start_accuracy(run), log_series(run, "eval_accuracy")
+    if values or start:
+        evals = list(zip(steps, values, strict=True))
+        if start and evals[:1] == [start]:  # a step-0 eval_accuracy is the start
+            evals = evals[1:]
+        pairs = [start, *evals] if start else evals
+        out["eval_accuracy"] = {"start": start, "first": pairs[0], "best": max(pairs, key=lambda pair: pair[1]),
+                                "last": pairs[-1], "evaluations": len(pairs)}
     figures = bytes_per_client(run)
     if figures is not None:
         ours, dense = figures
@@ -271,7 +308,9 @@ def format_summary(summary: dict) -> str:
         rows.append(("eval accuracy", "not available: " + (s["trainer_state_note"] or "no eval_accuracy in "
                                                             f"{TRAINER_STATE}'s log_history")))
     else:
-        rows.append(("eval accuracy", f"start {_at(accuracy['start'], 'step')}, best {_at(accuracy['best'], 'step')}, "
+        start = f"start {_at(accuracy['start'], 'step')}" if accuracy["start"] else \
+            f"start not evaluated ({START}); first {_at(accuracy['first'], 'step')}"
+        rows.append(("eval accuracy", f"{start}, best {_at(accuracy['best'], 'step')}, "
                                       f"last {_at(accuracy['last'], 'step')} ({accuracy['evaluations']} evaluations)"))
     figures = s["bytes"]
     if figures is None:
@@ -323,26 +362,34 @@ def format_rounds(run: Run) -> str:
 
 
 PANELS = ("honest loss", "evaluation accuracy", "aggregate shift", "cumulative uplink bytes per client")
+EXPLAINED = (  # one line under each panel's title
+    "the honest clients' mean loss on their batches, each round (ledger)",
+    "on the evaluation set; the first point, at 0, is before training",
+    "||R - honest mean||: how far the rule's output lands from the honest vectors' mean",
+    "what a client sends, against dense FedAvg's d floats per round",
+)
+NOTE_WIDTH = 48  # characters per line of a note inside a panel
 
 
 def _unavailable(ax, text: str) -> None:
-    ax.text(0.5, 0.5, "not available:\n" + text, ha="center", va="center", wrap=True, transform=ax.transAxes,
-            fontsize=9, color="0.35")
+    ax.text(0.5, 0.5, textwrap.fill("not available: " + text, NOTE_WIDTH), ha="center", va="center",
+            transform=ax.transAxes, fontsize=8, color="0.35")
     ax.set_xticks([])
     ax.set_yticks([])
 
 
 def plot_figure(run: Run):
-    """A matplotlib ``Figure`` (no pyplot, Agg-renderable) with four panels, in :data:`PANELS` order: honest loss
-    per round (ledger), evaluation accuracy, aggregate shift (``log_history``), cumulative uplink bytes per
-    participating client against dense FedAvg. A panel whose series is missing says why."""
+    """A matplotlib ``Figure`` (no pyplot, Agg-renderable) with four panels, in :data:`PANELS` order, each explained in
+    one line (:data:`EXPLAINED`): honest loss per round (ledger), evaluation accuracy from the start (before
+    training) on, aggregate shift (``log_history``), cumulative uplink bytes per participating client against dense
+    FedAvg. A panel whose series is missing says why."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 8), layout="constrained")
     (ax_loss, ax_acc), (ax_shift, ax_bytes) = fig.subplots(2, 2)
     fig.suptitle(f"{run.directory}: {len(run.rounds)} rounds")
-    for ax, title in zip((ax_loss, ax_acc, ax_shift, ax_bytes), PANELS, strict=True):
-        ax.set_title(title)
+    for ax, title, line in zip((ax_loss, ax_acc, ax_shift, ax_bytes), PANELS, EXPLAINED, strict=True):
+        ax.set_title(f"{title}\n{line}", fontsize=10)
 
     losses = loss_series(run)
     skipped = [entry["round"] for entry in run.rounds if entry.get("skipped")]
@@ -358,14 +405,25 @@ def plot_figure(run: Run):
         ax_loss.set_xlabel("round")
         ax_loss.legend(fontsize=8)
 
-    for ax, name, label in ((ax_acc, "eval_accuracy", "accuracy"), (ax_shift, "aggregate_shift", "||R - mean||")):
-        steps, values = log_series(run, name)
-        if not values:
-            _unavailable(ax, _missing(run, name))
-            continue
-        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-        ax.set_xlabel("rounds completed (step)")
-        ax.set_ylabel(label)
+    accuracy = summarize(run)["eval_accuracy"]
+    steps, values = log_series(run, "eval_accuracy")
+    if accuracy is None:
+        _unavailable(ax_acc, _missing(run, "eval_accuracy"))
+    else:
+        if accuracy["start"]:
+            ax_acc.plot(*accuracy["start"], marker="o", linestyle="none", color="tab:gray", label="start")
+        if values:
+            ax_acc.plot(steps, values, marker="." if len(steps) < 50 else None, label="eval_accuracy")
+        ax_acc.set_xlabel("rounds completed (step)")
+        ax_acc.set_ylabel("accuracy")
+        ax_acc.legend(fontsize=8)
+    steps, values = log_series(run, "aggregate_shift")
+    if not values:
+        _unavailable(ax_shift, _missing(run, "aggregate_shift"))
+    else:
+        ax_shift.plot(steps, values, marker="." if len(steps) < 50 else None)
+        ax_shift.set_xlabel("rounds completed (step)")
+        ax_shift.set_ylabel("||R - mean||")
 
     rounds = list(range(1, len(run.rounds) + 1))
     figures = bytes_per_client(run)
@@ -377,8 +435,9 @@ def plot_figure(run: Run):
         if figures:
             ax_bytes.plot(rounds, [figures[0] * t for t in rounds], label=f"zeroth-order ({_g(figures[0])} B/round)")
         else:
-            ax_bytes.text(0.5, 0.2, "zeroth-order uplink not available:\n" + _missing(run, "uplink_bytes_per_client"),
-                          ha="center", va="center", transform=ax_bytes.transAxes, fontsize=8, color="0.35", wrap=True)
+            note = "zeroth-order uplink not available: " + _missing(run, "uplink_bytes_per_client")
+            ax_bytes.text(0.5, 0.25, textwrap.fill(note, NOTE_WIDTH), ha="center", va="center",
+                          transform=ax_bytes.transAxes, fontsize=8, color="0.35")
         ax_bytes.set_yscale("log")
         ax_bytes.set_xlabel("round")
         ax_bytes.set_ylabel("bytes (a client in every round)")
@@ -526,7 +585,7 @@ def replay_run(path, out: str, model: str | None = None, start: str | None = Non
     trainable ones to ``out`` (safetensors). Returns what was done."""
     run = load_run(path, key=key, max_bytes=max_bytes)
     built = build_start_model(run.ledger, model=model, start=start, factory=factory, dtype=dtype).to(device)
-    replay(built, run.ledger, key=key)
+    replay(built, run.ledger, key=key, progress=True)
     weights = trainable_weights(built)
     from safetensors.torch import save_file
 

@@ -87,14 +87,21 @@ class Schedule:
         """Whether ``num_clients`` local models (one copy of the trainable float32/float64 weights each, and one
         scratch copy) fit ``cache_budget_gb``: then local steps advance each client's model instead of
         regenerating its terms."""
-        if any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
-            return False  # a half-precision local model would be rounded at every step
+        if table.stream is not None or any(p.dtype not in (torch.float32, torch.float64) for p in table.params):
+            return False  # streamed weights have no room for copies; a half-precision local model would be rounded
         return self._fits(table, num_clients + 1)
 
     def resolve(self, table: ParameterTable, num_directions: int, chunks: int = 1) -> str:
         """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters in
         forwards of ``chunks`` chunks each (:func:`forward_chunks`): a fused draw is regenerated per chunk, so
-        split forwards keep the round's directions when they fit."""
+        split forwards keep the round's directions when they fit. An offloaded model (``table.stream``) streams each
+        layer once per forward, perturbed in place: ``auto`` is ``two_forwards`` and stacks nothing."""
+        if table.stream is not None:
+            self.stack = self.stack_clients = False
+            if self.name == "auto":
+                self.name = "two_forwards"
+                logger.info("zo_schedule='auto': two_forwards (offloaded model: weights streamed, directions "
+                            "regenerated).")
         if self.name == "auto":  # decided once, at the first round
             directions = table.directions
             kept_bytes = directions.kept_bytes(table.params) * num_directions

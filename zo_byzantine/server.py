@@ -3,7 +3,8 @@ emits the downlink (which is also the ledger entry).
 
     plan(t, participants, local_lr) -> Plan
     aggregate(plan, reports, lr, byzantine=None) -> Downlink:
-        reports checked (sender sampled, one each, round t, exact shape) -> per uplink u:
+        reports checked (sender sampled, one each, round t, exact shape); the round's loss: the honest reports'
+        mean (simulation), or without a mask the mean trimmed by f per side (deployment) -> per uplink u:
         vectors V (m x nu) -> [simulation: Byzantine rows <- attack(honest, own, rule, ctx)]
         -> non-finite values sanitised -> R_u = rule(V, ctx) sized for the m vectors received
         -> update sum_u sum_r R_u[r] z_{u,r} (shared), sum_i (|D_i|/sum|D|) v_i[r] z_{i,r} (per client),
@@ -60,6 +61,12 @@ def sanitize(vectors: torch.Tensor) -> tuple[torch.Tensor, int]:
         return vectors, 0
     cleaned = torch.nan_to_num(vectors, nan=FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
     return cleaned, int(bad.sum())
+
+
+def trimmed(values: torch.Tensor, f: int) -> torch.Tensor:
+    """``values`` without their ``f`` smallest and ``f`` largest (fewer if needed to keep one); ``f = 0``: as is."""
+    k = min(f, (len(values) - 1) // 2)
+    return values if k <= 0 else values.sort().values[k : len(values) - k]
 
 
 def reconstruct(table: ParameterTable, seeds: list[int], vectors: torch.Tensor) -> torch.Tensor:
@@ -213,6 +220,8 @@ class Server:
         if byzantine is not None and not torch.isfinite(honest_losses).all():
             raise SkipRound("non-finite honest loss")
         finite = honest_losses[torch.isfinite(honest_losses)]
+        if byzantine is None:  # who is Byzantine is unknown (a deployment): any f losses may be forged
+            finite = trimmed(finite, s.num_byzantine)
         downlink.loss = float(finite.mean()) if len(finite) else math.nan
         m, f = len(reports), min(s.num_byzantine, len(reports))
         try:

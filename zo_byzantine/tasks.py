@@ -11,6 +11,7 @@ Local files are read by the ``datasets`` csv / json / text builders, sampling is
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import os
@@ -62,6 +63,42 @@ class TaskSpec:
             missing = set(self.labels) - set(getattr(self, words))
             if getattr(self, words) and missing:
                 raise ValueError(f"Task {self.name!r}: {words} lacks labels {sorted(missing)}.")
+        self._check_sources(where)
+
+    def _check_sources(self, where: str) -> None:
+        """The local file lists and every source's ``label_values``, which name labels of the spec (or null)."""
+        for split in ("train", "eval"):
+            names = self.local.get(split, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"{where}: local.{split}={names!r} must be a list of file names (e.g. "
+                                 f"[\"{split}.tsv\"]), tried in order.")
+        if not isinstance(self.local.get("formats", {}), dict):
+            raise ValueError(f"{where}: local.formats must map file names to formats, got {self.local['formats']!r}.")
+        for source in ("hub", "local"):
+            values = getattr(self, source).get("label_values", {})
+            if not isinstance(values, dict):
+                raise ValueError(f"{where}: {source}.label_values must map source labels to label names, got "
+                                 f"{values!r}.")
+            for key, name in values.items():
+                if name is not None and name not in self.labels:
+                    raise ValueError(f"{where}: {source}.label_values[{key!r}]={name!r} is not a label of the spec; "
+                                     f"accepted: {', '.join(map(repr, self.labels))}, or null (the row is dropped).")
+
+    def template(self, kind: str) -> str:
+        """The prompt template of ``kind`` (``masked_lm``, ``causal_lm``), or a ``ValueError`` naming what the spec
+        has."""
+        if kind not in self.templates:
+            raise ValueError(f"Task {self.name!r} has no {kind!r} template (its templates: {sorted(self.templates)}); "
+                             f"add templates.{kind} to the spec, or use a model of a kind it has a template for.")
+        return self.templates[kind]
+
+    def words(self, kind: str) -> dict[str, str]:
+        """The label words of ``kind``: ``label_words`` for a masked LM, ``causal_lm_words`` for a causal LM."""
+        name = "label_words" if kind == "masked_lm" else "causal_lm_words"
+        if not getattr(self, name):
+            raise ValueError(f"Task {self.name!r} has no {name} (needed by a {kind} prompt model); add them to the "
+                             "spec, one word per label.")
+        return getattr(self, name)
 
     @property
     def num_labels(self) -> int:
@@ -137,6 +174,24 @@ def _load(builder: str, path: str, **kwargs) -> datasets.Dataset:
             raise ValueError(f"{path} cannot be read as {builder}: {err.__cause__ or err}") from err
 
 
+def check_utf8(path: str) -> None:
+    """``path`` is UTF-8 text; else a ``ValueError`` naming the file and the first byte that is not."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                at = offset + err.start - (len(err.object) - len(chunk))  # err.object: bytes held back + this chunk
+                raise ValueError(f"{path} is not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset "
+                                 f"{at}); accepted: UTF-8 files: convert it first (e.g. iconv -f latin1 -t utf-8, or "
+                                 "-f utf-16).") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def _first_row(path: str, sep: str, quoting: int) -> list[str]:
     """The first line's fields (the header, or the first row): names and width for the csv builder."""
     import pandas as pd
@@ -183,6 +238,7 @@ def read_rows(path: str, fmt: dict) -> datasets.Dataset:
     """Raw rows of one local file: a Dataset with the columns ``text_a``, ``label`` (as in the file) and, when the
     format names one, ``text_b``."""
     kind, columns = fmt.get("kind"), fmt.get("columns", {})
+    check_utf8(path)
     if kind == "label_space_text":  # "<label> <sentence>" per line: the text builder, the label split off by map
         lines = _load("text", path)
         lines = lines.filter(lambda texts: [bool(t.strip()) for t in texts], input_columns="text", batched=True,
@@ -292,9 +348,10 @@ def load_hub_split(spec: TaskSpec, split: str) -> datasets.Dataset:
 # ----- sampling -----------------------------------------------------------------------------------
 
 
-def sample_per_class(examples: datasets.Dataset, k: int, num_labels: int, seed: int) -> datasets.Dataset:
+def sample_per_class(examples: datasets.Dataset, k: int, num_labels: int, seed: int,
+                     at_most: bool = False) -> datasets.Dataset:
     """``k`` examples of each class, drawn with ``seed`` (the first ``k`` of each class after one seeded shuffle),
-    in seeded random order; fails if a class has fewer than ``k``."""
+    in seeded random order; a class with fewer than ``k`` fails, or with ``at_most`` gives all it has."""
     import datasets
 
     shuffled = examples.shuffle(seed=seed, keep_in_memory=True)
@@ -302,15 +359,19 @@ def sample_per_class(examples: datasets.Dataset, k: int, num_labels: int, seed: 
     for label in range(num_labels):
         members = shuffled.filter(lambda labels, c=label: [y == c for y in labels], input_columns="label",
                                   batched=True, keep_in_memory=True)
-        if len(members) < k:
-            raise ValueError(f"num_train_per_class={k} but class {label} has only {len(members)} examples.")
-        parts.append(members.select(range(k)))
+        if len(members) < k and not at_most:
+            raise ValueError(f"num_train_per_class={k} but class {label} has only {len(members)} examples; accepted: "
+                             f"num_train_per_class <= {len(members)}, or num_train (a seeded sample of that many).")
+        parts.append(members.select(range(min(k, len(members)))))
     return datasets.concatenate_datasets(parts).shuffle(seed=seed, keep_in_memory=True).flatten_indices(
         keep_in_memory=True)
 
 
-def sample(examples: datasets.Dataset, n: int | None, seed: int) -> datasets.Dataset:
-    """Up to ``n`` examples drawn with ``seed`` (all, shuffled, when ``n`` is None or larger)."""
+def sample(examples: datasets.Dataset, n: int | None, seed: int, keep_order: bool = False) -> datasets.Dataset:
+    """Up to ``n`` examples drawn with ``seed`` (all, shuffled, when ``n`` is None or larger; with ``keep_order``, all
+    in the split's order: an evaluation set whose predictions line up with its file)."""
+    if keep_order and (n is None or n >= len(examples)):
+        return examples.flatten_indices(keep_in_memory=True)
     shuffled = examples.shuffle(seed=seed, keep_in_memory=True)
     if n is not None and n < len(shuffled):
         shuffled = shuffled.select(range(n))

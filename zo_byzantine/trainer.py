@@ -16,26 +16,23 @@ import os
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer
-from transformers.trainer_callback import ProgressCallback
 
-from .aggregators import build_aggregator
+from . import checkpoints, preflight
 from .arguments import ZOByzantineArguments
-from .attacks import build_attack, flip_labels, model_num_labels
+from .attacks import flip_labels, model_num_labels
 from .batched_clients import BatchedClients
 from .card import rewrite_card
-from .checkpoints import continue_from_best, refuse_finished_checkpoint, resume_ledger, save_plain_model
-from .checks import build_federation, check_dense_memory, check_label_flipping, check_processes_and_objects
+from .checks import build_federation, check_dense_memory
 from .chunks import forward_chunks
 from .client import client_reports
 from .directions import build_directions
-from .federation import FederatedBatchSampler, Federation
+from .federation import FederatedBatchSampler
 from .ledger import Ledger
-from .losses import PerExampleForward
+from .loss_routes import training_data
 from .messages import Plan, Report
+from .offload import check_offload_settings
 from .optim import ZOOptimizer
 from .perturbation import ParameterTable
-from .round_log import RoundLog
-from .schedule import Schedule
 from .server import Server
 
 logger = logging.getLogger(__name__)
@@ -53,34 +50,24 @@ class ZOByzantineTrainer(Trainer):
 
     def __init__(self, *args, aggregator=None, attack=None, **kwargs):
         super().__init__(*args, **kwargs)
-        zo = self.args
-        if not isinstance(zo, ZOByzantineArguments):
-            raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(zo).__name__}.")
-        check_processes_and_objects(zo, aggregator, attack)
-        self.aggregator = build_aggregator(aggregator or zo.aggregator, zo.pre_aggregators, **zo.aggregator_kwargs)
-        zo.check_sizing(self.aggregator)  # also for a rule object passed here
-        self.attack = build_attack(attack or zo.attack, **zo.attack_kwargs)
+        if not isinstance(self.args, ZOByzantineArguments):
+            raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(self.args).__name__}.")
         if type(self).compute_loss is not Trainer.compute_loss and type(self).per_example_losses is \
                 ZOByzantineTrainer.per_example_losses:
             raise TypeError(
                 f"{type(self).__name__} overrides compute_loss, which the rounds cannot use: a round needs every "
                 "client's per-example losses, not one batch loss. Override per_example_losses(model, inputs) -> "
-                "(loss sums, counts) per example instead (evaluate keeps using compute_loss)."
+                "(loss sums, counts) per example instead (evaluate keeps using compute_loss), or pass "
+                "compute_loss_func (split per example)."
             )
-        # data-dependent checks now, before any evaluation or training: partition, labels, batch vs client data
-        self.federation: Federation | None = None
-        self._partitioned = None  # the dataset self.federation partitions
-        if self.train_dataset is not None:
-            self.federation, self._partitioned = build_federation(zo, self.train_dataset), self.train_dataset
-        check_label_flipping(self.attack, self.model, self.train_dataset)
-        self.table: ParameterTable | None = None
-        self.zo_optimizer: ZOOptimizer | None = None
-        self.server: Server | None = None
-        self.ledger: Ledger | None = None
-        self.forward_per_example = PerExampleForward()
-        self.schedule = Schedule(zo.zo_schedule, zo.zo_cache_budget_gb)
-        self._checked_reach = False
-        self.round_log = RoundLog()  # the logging window and train_loss (NaN, not 0, if no round computed one)
+        # rule, attack, partition, loss route (refused now if the rounds cannot split it), callbacks; before any work
+        check_offload_settings(self.args, self.model)  # streamed weights: what a round cannot run within them
+        preflight.set_up(self, aggregator, attack)
+
+    def _hp_search_setup(self, trial) -> None:
+        """A trial's settings get the constructor's validation and construction (:func:`preflight.apply_trial`)."""
+        super()._hp_search_setup(trial)
+        preflight.apply_trial(self, trial)
 
     # ----- set-up: optimizer, clients' data -------------------------------------------------
 
@@ -115,7 +102,7 @@ class ZOByzantineTrainer(Trainer):
         self.zo_optimizer, self.table = self.optimizer, self.optimizer.table
         self.server = Server(self.args.protocol_settings(), self.aggregator, self.table, self.attack)
         if self.ledger is None:
-            self.ledger = Ledger(self.zo_optimizer)
+            self.ledger = Ledger(self.zo_optimizer, protocol=checkpoints.run_protocol(self))
         return self.optimizer
 
     def get_train_dataloader(self) -> DataLoader:
@@ -125,17 +112,7 @@ class ZOByzantineTrainer(Trainer):
         dataset = self.train_dataset
         if self.federation is None or self._partitioned is not dataset:
             self.federation, self._partitioned = build_federation(self.args, dataset), dataset
-        collator = self.data_collator
-        try:
-            import datasets
-
-            is_hf_dataset = isinstance(dataset, datasets.Dataset)
-        except ImportError:
-            is_hf_dataset = False
-        if is_hf_dataset:
-            dataset = self._remove_unused_columns(dataset, description="Training")
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        dataset, collator = training_data(self, dataset)
         sampler = FederatedBatchSampler(self.federation, self.args.process_index, self.args.world_size)
         loader = DataLoader(
             dataset,
@@ -237,11 +214,7 @@ class ZOByzantineTrainer(Trainer):
             communication = self.server.communication(self.federation.clients_per_round, self.state.global_step) \
                 if self.round_log.window["rounds"] else {}
             logs.update(self.round_log.window_logs(communication, self.table.numel))
-        super().log(logs, start_time)
-        if "loss" in logs:  # the progress bar shows rounds with the honest loss
-            for callback in self.callback_handler.callbacks:
-                if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
-                    callback.training_bar.set_postfix(honest_loss=f"{logs['loss']:.4f}", refresh=False)
+        super().log(logs, start_time)  # the progress bar shows it: callbacks.HonestLossProgress
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """A model that is not a ``PreTrainedModel`` is saved by :func:`checkpoints.save_plain_model` (shared
@@ -250,20 +223,25 @@ class ZOByzantineTrainer(Trainer):
         if state_dict is not None or isinstance(model, PreTrainedModel) or hasattr(model, "peft_config"):
             return super()._save(output_dir, state_dict)
         if self.args.should_save:
-            save_plain_model(model, output_dir if output_dir is not None else self.args.output_dir,
-                             self.processing_class)
+            checkpoints.save_plain_model(model, output_dir if output_dir is not None else self.args.output_dir,
+                                         self.processing_class)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model as ``Trainer`` does, and the ledger beside it."""
         super().save_model(output_dir, _internal_call)
         if self.ledger is not None and self.args.should_save:
-            self.ledger.save(output_dir or self.args.output_dir)
+            self.ledger.save(output_dir or self.args.output_dir, weights=self.table)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """A checkpoint complete or absent: written aside, then renamed (:func:`checkpoints.staged_checkpoint`)."""
+        with checkpoints.staged_checkpoint(self, trial):
+            super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Resume: the checkpoint's ledger continues (:func:`checkpoints.resume_ledger`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.ledger is not None:
-            self.round_log.restart(resume_ledger(self.ledger, checkpoint, self.state.global_step))
+            self.round_log.restart(checkpoints.resume_ledger(self, checkpoint))
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The Trainer's card, with the optimizer and batch lines made true and the federation described."""
@@ -272,17 +250,18 @@ class ZOByzantineTrainer(Trainer):
         if self.is_world_process_zero() and os.path.isfile(path) and self.server is not None:
             m = self.federation.clients_per_round if self.federation else self.args.num_clients
             digest = self.ledger.to_dict()["digest"] if self.ledger is not None else "none"
-            rewrite_card(path, self.args, self.state.global_step, self.server.scalars_per_client(m)[0],
-                         self.table.numel, digest)
+            rounds = len(self.ledger.rounds) if self.ledger is not None else self.state.global_step  # the weights'
+            rewrite_card(path, self.args, rounds, self.server.scalars_per_client(m)[0], self.table.numel, digest,
+                         run_rounds=self.state.global_step)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        refuse_finished_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.max_steps)
+        resume_from_checkpoint = checkpoints.prepare_resume(self, resume_from_checkpoint)  # before any work
         self.round_log.restart()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.load_best_model_at_end:
-            continue_from_best(self.ledger, self.state.best_model_checkpoint)
+            checkpoints.continue_from_best(self.ledger, self.state.best_model_checkpoint)
         if self.ledger is not None and self.args.should_save:
-            self.ledger.save(self.args.output_dir)
+            self.ledger.save(self.args.output_dir, weights=self.table)
         loss = self.round_log.run_mean()
         return output._replace(training_loss=loss, metrics={**output.metrics, "train_loss": loss})
 

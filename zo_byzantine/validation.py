@@ -37,3 +37,19 @@ def check_choice(name: str, value, accepted) -> None:
     """``value`` is one of ``accepted``."""
     if value not in accepted:
         raise ValueError(f"{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}.")
+
+
+def check_fraction(name: str, value, low_open: bool = False) -> float:
+    """``value`` is a number in ``[0, 0.5)`` (``(0, 0.5)`` with ``low_open``): the share of vectors trimmed or ranked
+    from each side; returned."""
+    if not is_number(value) or not 0 <= value < 0.5 or (low_open and value == 0):
+        raise ValueError(f"{name}={value!r} must be in {'(' if low_open else '['}0, 0.5) (a number: the share of "
+                         "vectors from each side).")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` is True or False (not a string such as ``"false"``, which ``bool`` would read as True); returned."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False.")
+    return value

@@ -111,7 +111,7 @@ def run_one(job):
     start = time.perf_counter()
     metrics = load_example("run_mnist_fed").main(
         [*argv, "--seed", str(seed), "--max_steps", str(rounds), "--output_dir", out, "--data_dir", data_dir,
-         "--eval_steps", str(eval_steps)]
+         "--eval_steps", str(eval_steps), "--disable_tqdm", "true"]  # the grid's own bar counts the runs
     )
     metrics.update(cell=name, seed=seed, rounds=rounds, seconds=time.perf_counter() - start)
     with open(path, "w") as f:

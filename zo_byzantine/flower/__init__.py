@@ -2,10 +2,12 @@
 machines, only seeds and scalars on the wire (SPEC 8).
 
     wire         Plan / ledger entries <-> ConfigRecord, Report <-> MetricRecord; strict parsing of untrusted records
-    config       run config -> ZOByzantineArguments (+ deployment settings), node config (client id, node attack)
+    config       run config -> ZOByzantineArguments (+ deployment settings), node config (client id, node attack),
+                 client-keys (SuperNode public key -> client id)
     replica      the model at the ledger's weights; catch-up through the library's update path
     node         the client role on a node: plan -> catch-up -> client_reports -> report
-    coordinator  the server role over a grid: register, plan, deadline, validate, aggregate, ledger
+    coordinator  the server role over a grid: register, plan, deadline, judge replies against what was sent,
+                 aggregate, ledger, rounds log (flower_rounds.jsonl)
     apps         the ServerApp and ClientApp (thin)
 """
 
@@ -15,8 +17,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError('zo_byzantine.flower needs Flower: pip install "zo_byzantine[flower]" (flwr>=1.42,<2).') from err
 
 from .apps import client_app, server_app
-from .config import NODE_ATTACKS, Deployment, Node, Task, read_node_config, read_run_config
-from .coordinator import Coordinator
+from .config import NODE_ATTACKS, Deployment, Node, Task, read_client_keys, read_node_config, read_run_config
+from .coordinator import Coordinator, read_rounds_log
 from .node import PlanRefused, answer
 from .replica import Replica
 from .wire import Reply, WireError, plan_content, read_plan, read_reply, report_content
@@ -34,9 +36,11 @@ __all__ = [
     "answer",
     "client_app",
     "plan_content",
+    "read_client_keys",
     "read_node_config",
     "read_plan",
     "read_reply",
+    "read_rounds_log",
     "read_run_config",
     "report_content",
     "server_app",

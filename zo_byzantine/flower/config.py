@@ -7,10 +7,14 @@ Run config (``[tool.flwr.app.config]`` or ``flwr run --run-config``):
                       shared training set (see :class:`Task`); imported on the server and on every node
     rounds            rounds to run (>= 1)
     round-timeout     seconds the server waits for a round's replies (the deadline)
-    min-nodes         nodes the server waits for before round 0 (default: num_clients)
-    startup-timeout   seconds it waits for them
-    output-dir        where the server writes ``zo_ledger.json`` and ``flower_rounds.json`` ("" : nowhere)
+    min-nodes         registered nodes the server waits for before round 0 (default: num_clients)
+    startup-timeout   seconds it waits for them (then it starts with those registered)
+    output-dir        where the server writes ``zo_ledger.json`` and ``flower_rounds.jsonl`` ("" : nowhere)
     eval-every        evaluate the server's replica on the task's eval set every k rounds (0: never)
+    catch-up-limit    ledger rounds one plan carries at most (64): a node further behind catches up over rounds
+    client-keys       "" (default: a client id is held by the first connected node that claims it), or the path, on
+                      the server, of a file binding SuperNode public keys to client ids (:func:`read_client_keys`;
+                      meaningful with ``flower-superlink --enable-supernode-auth``, where a key is authenticated)
     task-*            the task's own settings (model folder, data file, ...), read by ``task`` only
     every other key   a :class:`~zo_byzantine.ZOByzantineArguments` field (num_clients, per_device_train_batch_size,
                       clients_per_round, num_byzantine, aggregator, pre_aggregators (separated by ';'), zo_eps,
@@ -40,7 +44,7 @@ from ..validation import check_choice, check_integer, check_real
 
 DEPLOYMENT_KEYS = {
     "task": str, "rounds": int, "round-timeout": float, "min-nodes": int, "startup-timeout": float,
-    "output-dir": str, "eval-every": int,
+    "output-dir": str, "eval-every": int, "catch-up-limit": int, "client-keys": str,
 }
 TASK_PREFIX = "task-"  # keys the task reads (model, data); not checked here
 NODE_ATTACKS = ("none", "sf", "gaussian", "nonfinite", "lf")  # what one node can mount from its own vector and data
@@ -70,6 +74,8 @@ class Deployment:
     startup_timeout: float
     output_dir: str
     eval_every: int = 0
+    catch_up_limit: int = 64
+    client_keys: str = ""
 
 
 def _value(config: dict, key: str, kind: type, default):
@@ -120,7 +126,9 @@ def read_run_config(config: dict, output_dir: str = "/tmp/zo_byzantine_flower") 
     min_nodes = check_integer("run config 'min-nodes'", _value(config, "min-nodes", int, args.num_clients), 0,
                               args.num_clients)
     eval_every = check_integer("run config 'eval-every'", _value(config, "eval-every", int, 0), 0)
-    return Deployment(args, task, rounds, timeout, min_nodes, startup, out, eval_every)
+    catch_up = check_integer("run config 'catch-up-limit'", _value(config, "catch-up-limit", int, 64), 1)
+    keys = _value(config, "client-keys", str, "")
+    return Deployment(args, task, rounds, timeout, min_nodes, startup, out, eval_every, catch_up, keys)
 
 
 def build_task(deployment: Deployment, config: dict) -> Task:
@@ -159,3 +167,43 @@ def read_node_config(config: dict, num_clients: int) -> Node:
     name, kwargs = parse_step(spec)
     check_choice("node config 'attack'", name, NODE_ATTACKS)
     return Node(client, build_attack(name, **kwargs), name)
+
+
+def public_key_id(key: bytes) -> bytes | None:
+    """A SuperNode public key as the SuperLink reports it (``NodeInfo.public_key``: PEM), or OpenSSH text, as DER
+    (SubjectPublicKeyInfo) bytes: the form keys are compared in; ``None`` if it is neither."""
+    from cryptography.hazmat.primitives import serialization
+
+    loaders = (serialization.load_pem_public_key, serialization.load_ssh_public_key)
+    for load in loaders:
+        try:
+            return load(bytes(key)).public_bytes(serialization.Encoding.DER,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo)
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return None
+
+
+def read_client_keys(path: str, num_clients: int) -> dict[bytes, int]:
+    """The run config's ``client-keys`` file: one line per client, ``<client id> <OpenSSH public key>`` (the
+    ``.pub`` file a SuperNode's ``--auth-supernode-private-key`` belongs to, as registered with ``flwr supernode
+    register``); blank lines and ``#`` comments are skipped. Returns key (DER) -> client id. Raises ``ValueError``
+    naming the file and line (a client or a key listed twice, a malformed key, an id out of range)."""
+    keys: dict[bytes, int] = {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"run config 'client-keys' file {path!r}, line {number}"
+        client, _, text = line.partition(" ")
+        if not client.isdigit() or not 0 <= int(client) < num_clients:
+            raise ValueError(f"{where}: expected '<client id in [0, {num_clients})> <OpenSSH public key>'.")
+        key = public_key_id(text.strip().encode())
+        if key is None:
+            raise ValueError(f"{where}: not an OpenSSH public key.")
+        if key in keys or int(client) in keys.values():
+            raise ValueError(f"{where}: a key or a client id is listed twice (one SuperNode per client).")
+        keys[key] = int(client)
+    return keys

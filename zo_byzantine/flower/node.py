@@ -4,6 +4,7 @@
         parse the plan (strict)                     refuse: not sampled, another generator, other start weights
         apply the ledger entries it lacks           (Replica: the library's update path; no weights on the wire)
           entries start after what it has applied -> a catch-up request (round, client, applied)
+          entries end before round t (catch-up-limit) -> apply them, then a catch-up request
         its weights' fingerprint == the server's    else refuse and start over from the start weights
         its batch of round t                        (Federation: the simulation's partition and data stream)
         client_reports(plan, one-client evaluator)  (the simulation's client role, ids = [c]; the schedule's
@@ -87,6 +88,9 @@ def answer(content, state: RecordDict, deployment: Deployment, task: Task, node:
             replica.applied = 0
         return catch_up_content(t, node.client, replica.applied)
     replica.apply(message.entries[replica.applied - message.since :])
+    if replica.applied < t:  # the plan carried the first of the rounds it lacks (the server's catch-up-limit)
+        replica.save(state)
+        return catch_up_content(t, node.client, replica.applied)
     if replica.fingerprint() != message.weights:
         replica.reset(state)
         raise PlanRefused(f"after round {t - 1} this node's weights differ from the server's; it starts over from "

@@ -9,11 +9,14 @@
 
 Every record from the other side is parsed strictly (:class:`WireError` names the field): exact key set, exact
 types (``bool`` is not an int, an int is not a float), lengths checked before anything is built from a list, ints
-in range. A Byzantine node controls every byte of its reply; this module is where that stops.
+in range. A Byzantine node controls every byte of its reply; this module is where that stops. Text it chose (key
+names, an error reply's reason) reaches the server's logs only through :func:`clip`: escaped, at most
+``REASON_LIMIT`` characters.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,8 @@ from ..messages import LOCAL_UPDATES, Plan, Report
 
 PLAN = "plan"
 REPORT = "report"
+REASON_LIMIT = 240  # characters of a problem's reason (logs, flower_rounds.jsonl); a node's text is cut to it
+NAMES_SHOWN = 4  # key names quoted in an error about a record's keys
 INT_LIMIT = 1 << 63  # ids, rounds and seed-tuple entries on the wire are in [0, 2^63)
 SEED_TUPLE = 4  # a plan's seed tuples are (s, t, l, r)
 REPORT_KEYS = frozenset({"round", "client", "applied", "scalars", "loss", "num_examples"})
@@ -37,6 +42,24 @@ _PLAN_KEYS = frozenset({
 
 class WireError(ValueError):
     """A record that does not follow the wire format; the message names the field."""
+
+
+def clip(text, limit: int = REASON_LIMIT) -> str:
+    """``text`` for a log line: non-printable characters escaped, at most ``limit`` characters (the rest counted)."""
+    text = str(text)
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    if len(shown) <= limit and len(text) <= limit:
+        return shown
+    tail = f"... ({len(text)} characters)"
+    return shown[: max(limit - len(tail), 0)] + tail
+
+
+def _names(keys) -> str:
+    """At most ``NAMES_SHOWN`` key names (each clipped), and how many there are."""
+    keys = [str(k) for k in keys]
+    shown = [clip(k, 40) for k in heapq.nsmallest(NAMES_SHOWN, keys)]
+    more = len(keys) - len(shown)
+    return f"{shown}{f' and {more} more' if more else ''}"
 
 
 @dataclass(frozen=True)
@@ -97,8 +120,7 @@ def _list(record, key: str, kind: type, where: str, length: int | None = None) -
 def _keys(record, expected: frozenset, where: str) -> None:
     keys = set(record.keys())
     if keys != expected:
-        missing, unknown = sorted(expected - keys), sorted(keys - expected)
-        raise WireError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}")
+        raise WireError(f"{where}: missing key(s) {_names(expected - keys)}, unknown key(s) {_names(keys - expected)}")
 
 
 def _only(content, name: str, kind: type, where: str):
@@ -106,7 +128,7 @@ def _only(content, name: str, kind: type, where: str):
     if not isinstance(content, RecordDict):
         raise WireError(f"{where}: expected a RecordDict, got {type(content).__name__}")
     if set(content.keys()) != {name}:
-        raise WireError(f"{where}: expected exactly one record {name!r}, got {sorted(content.keys())}")
+        raise WireError(f"{where}: expected exactly one record {name!r}, got {_names(content.keys())}")
     record = content[name]
     if not isinstance(record, kind):
         raise WireError(f"{where}.{name}: expected a {kind.__name__}, got {type(record).__name__}")
@@ -118,8 +140,9 @@ def _only(content, name: str, kind: type, where: str):
 
 def plan_content(plan: Plan, since: int, entries: list[dict], start: str, weights: str) -> RecordDict:
     """The message of ``plan`` to a node that has applied rounds ``0..since-1``: ``entries`` are the ledger's
-    rounds ``since..plan.round-1``. Seed tuples are flattened (``K + 1`` steps x ``nu`` x 4); each entry's seed
-    tuples are flattened with their count (``terms``) and width (4, or 5 with per-client directions)."""
+    rounds ``since..plan.round-1``, or the first of them (a node far behind catches up over several plans). Seed
+    tuples are flattened (``K + 1`` steps x ``nu`` x 4); each entry's seed tuples are flattened with their count
+    (``terms``) and width (4, or 5 with per-client directions)."""
     seeds = [int(k) for step in plan.seed_tuples for key in step for k in key]
     record = ConfigRecord({
         "round": plan.round,
@@ -178,8 +201,10 @@ def read_plan(content) -> PlanMessage:
                    _get(record, "generator_distribution", str, where)),
     )
     since = _int(record, "since", where, 0, t + 1)
-    count = t - since
-    lrs = _list(record, "lr", float, where, length=count)
+    lrs = _list(record, "lr", float, where)
+    count = len(lrs)  # t - since, or fewer: the server's bound on the rounds one plan carries (catch-up-limit)
+    if count > t - since:
+        raise WireError(f"{where}.lr: {count} ledger entries from round {since} pass the plan's round {t}")
     skipped = _list(record, "skipped", bool, where, length=count)
     terms = _list(record, "terms", int, where, length=count)
     widths = _list(record, "widths", int, where, length=count)
@@ -229,8 +254,9 @@ def catch_up_content(round_index: int, client: int, applied: int) -> RecordDict:
 
 def read_reply(content, shape: tuple[int, int], round_index: int) -> Reply:
     """Parse a node's reply to round ``round_index``'s plan; ``shape``: (uplinks, width) of its scalars. The
-    values are only typed and sized here; the server role checks sender, round and duplicates
-    (``Server.accept``) and sanitises non-finite values. Raises :class:`WireError` naming the field."""
+    values are only typed and sized here; the coordinator checks round, client and example count against the plan
+    the reply answers, and the server role sanitises non-finite values. Raises :class:`WireError` naming the
+    field."""
     where = REPORT
     record = _only(content, REPORT, MetricRecord, "reply")
     catch_up = set(record.keys()) == CATCH_UP_KEYS

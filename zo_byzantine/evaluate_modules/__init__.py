@@ -1,1 +1,0 @@
-"""Local ``evaluate`` modules: ``evaluate.load(<path to file>)`` needs no network."""
