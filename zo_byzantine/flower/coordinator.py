@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from ..aggregators import build_aggregator
+from ..checkpoints import protocol_of
 from ..checks import build_federation
 from ..ledger import Ledger
 from ..server import Server
@@ -107,7 +108,7 @@ class Coordinator:
         args.check_sizing(rule)
         self.replica = Replica(task.model, args)
         self.server = Server(args.protocol_settings(), rule, self.replica.table)
-        self.ledger = Ledger(self.replica.optimizer)
+        self.ledger = Ledger(self.replica.optimizer, protocol=protocol_of(args, rule, None, task.train_dataset))
         # the simulation's partitions: participants(t) (seeded sampling) and each client's example count
         self.sampler = build_federation(args, task.train_dataset)
         self.sizes = [len(p) for p in self.sampler.partitions]
@@ -154,6 +155,11 @@ class Coordinator:
         matched = []
         for reply in grid.pull_messages(list(self.pending)):
             answers = reply.metadata.reply_to_message_id
+            sent = self.pending.get(answers)
+            if sent is not None and reply.metadata.src_node_id != sent.node:  # the SuperLink's check, made here too
+                self.problem(problems, t, reply.metadata.src_node_id, sent.client,
+                             f"{REJECTED}: a reply to node {sent.node}'s {sent.kind} message from another node")
+                continue
             sent = self.pending.pop(answers, None)
             if sent is not None:
                 self.answered[answers] = sent
