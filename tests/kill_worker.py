@@ -66,8 +66,10 @@ def arm(moment: str, count: int) -> None:
     if moment in ("ledger_write", "ledger_rename"):
         def dying_open(path, mode="r", *args, **kwargs):
             file = open(path, mode, *args, **kwargs)
+            if "w" not in mode:  # reads (Ledger.read) are not counted
+                return file
             calls.append(path)
-            return DyingFile(file, moment) if "w" in mode and len(calls) == count else file
+            return DyingFile(file, moment) if len(calls) == count else file
 
         ledger.open = dying_open  # the module's name for open: its writes only
     elif moment == "state":
@@ -94,8 +96,8 @@ def main(output_dir: str, moment: str, count: int) -> None:
         trainer.add_callback(KillAfterFirstRound(count / 1e6))
     try:
         trainer.train(resume_from_checkpoint=True if saved else None)
-    except ValueError as err:  # the newest checkpoint is the last round: only what the kill left is cleaned
-        if "nothing is left to train" not in str(err):
+    except ValueError as err:  # the newest checkpoint is the last round: what the kill left is cleaned, and the
+        if "nothing is left to train" not in str(err):  # output folder's ledger restored if the kill was in its write
             raise
     os._exit(0)  # before a timer fires
 

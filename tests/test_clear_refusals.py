@@ -45,6 +45,27 @@ def test_sizes_seeds_steps_and_the_checkpoint_are_bounded_at_the_arguments(tmp_p
         _args(tmp_path, **{setting: value})
 
 
+def test_the_ledger_of_an_epoch_run_is_bounded_before_any_work(tmp_path):
+    """max_steps=-1 (train for num_train_epochs): the ledger's size was not bounded (max_steps x directions < 0). The
+    trainer bounds num_train_epochs x rounds per epoch once the clients' data is known, at construction."""
+    with pytest.raises(ValueError, match=r"num_train_epochs=10000000 x 8 rounds per epoch = 80000000 rounds of 64 "
+                                         r"directions .* over the 1 GiB a ledger may have to be read back"):
+        make_trainer(LogisticRegression(), VectorDataset(128), tmp_path, max_steps=-1, num_train_epochs=10**7,
+                     num_perturbations=64)
+    make_trainer(LogisticRegression(), VectorDataset(128), tmp_path, max_steps=-1, num_train_epochs=2,
+                 num_perturbations=64)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+def test_pushing_staged_checkpoints_to_the_hub_is_refused_naming_hub_strategy(tmp_path, strategy):
+    """Checkpoints are written in a staging folder, renamed right after: the hub strategies that upload a checkpoint's
+    folder in the background would read it while it moves."""
+    with pytest.raises(ValueError, match=rf"push_to_hub with hub_strategy='{strategy}' uploads each checkpoint .* "
+                                         r"accepted: hub_strategy='every_save' or 'end'"):
+        _args(tmp_path, push_to_hub=True, hub_strategy=strategy, save_strategy="steps", save_steps=2, max_steps=4)
+    _args(tmp_path, push_to_hub=True, hub_strategy="every_save", save_strategy="steps", save_steps=2, max_steps=4)
+
+
 def test_a_missing_checkpoint_is_refused_before_the_start_evaluation(tmp_path):
     dataset = VectorDataset(64)
     trainer = make_trainer(LogisticRegression(), dataset, tmp_path, trainer_kwargs={"eval_dataset": dataset},

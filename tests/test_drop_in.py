@@ -234,6 +234,17 @@ def test_an_accelerate_launch_that_started_one_process_is_refused(tmp_path, monk
         make_trainer(LogisticRegression(), VectorDataset(64), tmp_path)
 
 
+def test_a_master_addr_from_the_job_environment_only_warns(tmp_path, monkeypatch, caplog):
+    """A one-process ``accelerate launch`` in a job that exports ``MASTER_ADDR`` (a cluster's host name): a warning,
+    not a refusal, since accelerate's launcher sets the loopback default only when it was asked for several."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("MASTER_ADDR", "node17.cluster")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with caplog.at_level("WARNING", logger="zo_byzantine.preflight"):
+        make_trainer(LogisticRegression(), VectorDataset(64), tmp_path)
+    assert "MASTER_ADDR=node17.cluster came with the environment" in caplog.text
+
+
 @pytest.mark.slow
 def test_accelerate_launch_with_two_processes_on_cpu_says_how_to_get_two(tmp_path):
     script = tmp_path / "job.py"

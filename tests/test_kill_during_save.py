@@ -28,8 +28,8 @@ def _leg(output_dir, moment="none", count=0) -> int:
 
 
 def _checkpoints(output_dir) -> dict:
-    """Each checkpoint's trainable weights and ledger digest."""
-    out = {}
+    """Each checkpoint's trainable weights and ledger digest, and (key "output") the output folder's ledger."""
+    out = {"output": Ledger.read(output_dir)}
     for step in range(1, ROUNDS + 1):
         folder = os.path.join(output_dir, f"checkpoint-{step}")
         out[step] = (safetensors.torch.load_file(os.path.join(folder, "model.safetensors")),
@@ -54,7 +54,10 @@ def test_a_run_killed_while_saving_resumes_bitwise(tmp_path, reference, moment, 
     if moment.startswith("ledger"):  # the ledger's temporary file is there, until the next save
         assert any(name.startswith(f".{LEDGER_NAME}.") for _, _, names in os.walk(tmp_path) for name in names), left
     assert _leg(tmp_path) == 0
-    for step, (weights, digest) in _checkpoints(tmp_path).items():
+    assert os.path.isfile(tmp_path / LEDGER_NAME), (moment, count, sorted(os.listdir(tmp_path)))
+    resumed = _checkpoints(tmp_path)
+    assert resumed.pop("output") == reference["output"]  # the run's final ledger, even when killed writing it
+    for step, (weights, digest) in resumed.items():
         assert digest == reference[step][1], step
         assert weights.keys() == reference[step][0].keys()
         assert all(torch.equal(weights[k], reference[step][0][k]) for k in weights), step

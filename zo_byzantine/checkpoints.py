@@ -23,7 +23,9 @@ from .ledger import (
     LedgerError,
     protocol_differences,
     refuse_differences,
+    refuse_unchecked,
     remove_stale_temporaries,
+    temporary_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ PROTOCOL_SETTINGS = ("zo_seed", "estimator", "zo_eps", "num_perturbations", "loc
                      "min_client_examples", "per_device_train_batch_size", "zo_direction_batch_size")
 COMPLETE = (TRAINER_STATE_NAME, LEDGER_NAME)  # written last by a save: a checkpoint without them is incomplete
 _CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
-_LEFTOVER = re.compile(rf"\.{PREFIX_CHECKPOINT_DIR}-\d+\.(staging|old)")  # a save killed before its rename
+_LEFTOVER = re.compile(rf"\.{PREFIX_CHECKPOINT_DIR}-(\d+)\.(staging|old)")  # a save killed before its rename
 _MAX_LISTED = 1024  # a rule's or attack's list attribute longer than this is not a setting (it is state)
 
 
@@ -76,14 +78,18 @@ def run_protocol(trainer) -> dict:
     """What the ledger records as a trainer's protocol: every setting that changes what a round computes, as in
     effect (``clients_per_round``: ``m``; ``max_byzantine_per_round``: ``f``; ``dirichlet_alpha`` only for the
     Dirichlet partition), the pipeline and the attack with their parameters, and the training set's size."""
-    args, aggregator, attack, dataset = trainer.args, trainer.aggregator, trainer.attack, trainer.train_dataset
+    return protocol_of(trainer.args, trainer.aggregator, trainer.attack, trainer.train_dataset)
+
+
+def protocol_of(args, aggregator, attack, dataset) -> dict:
+    """:func:`run_protocol` from its parts (the Flower coordinator's: no simulated attack, ``attack=None``)."""
     protocol = {name: getattr(args, name) for name in PROTOCOL_SETTINGS}
     protocol.update(
         clients_per_round=args.clients_per_round or args.num_clients,
         max_byzantine_per_round=args.byzantine_bound(),
         dirichlet_alpha=args.dirichlet_alpha if args.partition == "dirichlet" else None,
         aggregator=[[step.name, _parameters(step)] for step in [*aggregator.steps, aggregator.rule]],
-        attack=[type(attack).__name__, _parameters(attack)],
+        attack=None if attack is None else [type(attack).__name__, _parameters(attack)],
         train_examples=len(dataset) if hasattr(dataset, "__len__") else None,
     )
     return json.loads(json.dumps(protocol, allow_nan=False))  # as the ledger reads it back (lists, not tuples)
@@ -103,9 +109,14 @@ def staged_checkpoint(trainer, trial):
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     final, root = os.path.join(run_dir, name), os.path.join(run_dir, f".{name}.staging")
     main = trainer.args.should_save
-    if main:
-        shutil.rmtree(root, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
+    # each node's local process zero publishes and cleans its node's staging folder, after the main process (on a
+    # shared filesystem the main process's publish leaves nothing to the others; on a node with its own disk, its
+    # processes' files, e.g. rng_state_<i>.pth, are published there): phases separated by barriers, never racing
+    node = not main and trainer.args.local_process_index == 0
+    for turn in (main, node):
+        if turn:
+            shutil.rmtree(root, ignore_errors=True)
+        trainer.accelerator.wait_for_everyone()
     trainer._get_output_dir = lambda trial=None: root
     try:
         yield
@@ -118,11 +129,13 @@ def staged_checkpoint(trainer, trial):
         state.best_model_checkpoint = final
         if main:
             state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-    if main:
-        _publish(staged, final)
-        os.rmdir(root)
-        rotate_checkpoints(run_dir, trainer.args.save_total_limit, state.best_model_checkpoint, use_mtime=True)
-    trainer.accelerator.wait_for_everyone()
+    for turn in (main, node):
+        if turn and os.path.isdir(root):
+            if os.path.isdir(staged):
+                _publish(staged, final)
+            os.rmdir(root)
+            rotate_checkpoints(run_dir, trainer.args.save_total_limit, state.best_model_checkpoint, use_mtime=True)
+        trainer.accelerator.wait_for_everyone()
 
 
 def _publish(staged: str, final: str) -> None:
@@ -138,9 +151,35 @@ def _publish(staged: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _complete(folder: str) -> bool:
+    return all(os.path.isfile(os.path.join(folder, name)) for name in COMPLETE)
+
+
+def _recover(output_dir: str) -> None:
+    """A save killed between ``_publish``'s two renames left ``checkpoint-N`` moved aside (``.checkpoint-N.old``) and
+    its complete new copy staged (``.checkpoint-N.staging/checkpoint-N``): the staged copy is published (the old one
+    put back when the staged one is not complete), so that cleaning the leftovers does not lose checkpoint-N."""
+    for name in sorted(os.listdir(output_dir)):
+        match = _LEFTOVER.fullmatch(name)
+        if match is None or match.group(2) != "old":
+            continue
+        checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{match.group(1)}"
+        final = os.path.join(output_dir, checkpoint)
+        if os.path.isdir(final):
+            continue
+        staged = os.path.join(output_dir, f".{checkpoint}.staging", checkpoint)
+        source = staged if _complete(staged) else os.path.join(output_dir, name)
+        if _complete(source):
+            os.replace(source, final)
+            logger.warning("A save killed between its renames left %s aside: restored it from %s.", checkpoint,
+                           os.path.relpath(source, output_dir))
+
+
 def remove_leftovers(output_dir: str) -> list[str]:
-    """Remove what killed saves left in ``output_dir``: staging folders, checkpoints moved aside, ledger temporaries.
-    Returns the names removed."""
+    """Remove what killed saves left in ``output_dir``: staging folders, checkpoints moved aside, ledger temporaries
+    (a checkpoint a save had moved aside and not yet replaced is first put back: :func:`_recover`). Returns the names
+    removed."""
+    _recover(output_dir)
     removed = [name for name in os.listdir(output_dir) if _LEFTOVER.fullmatch(name)]
     for name in removed:
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
@@ -190,10 +229,12 @@ def prepare_resume(trainer, resume_from_checkpoint):
         raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: no such checkpoint folder; accepted: "
                          "the path of a checkpoint-N folder, True (the newest complete one in output_dir) or None.")
     checkpoint = os.fspath(checkpoint)
-    refuse_finished_checkpoint(checkpoint, args.max_steps)
+    refuse_finished_checkpoint(checkpoint, args.max_steps, trainer)
     _require_ledger(checkpoint)
     source = f"checkpoint {checkpoint!r}'s ledger"
-    refuse_differences(protocol_differences(Ledger.read(checkpoint).get("protocol"), run_protocol(trainer)), source)
+    data, protocol = Ledger.read(checkpoint), run_protocol(trainer)
+    refuse_differences(protocol_differences(data.get("protocol"), protocol), source)
+    refuse_unchecked(data, "protocol", protocol, source)
     return checkpoint
 
 
@@ -228,17 +269,66 @@ def continue_from_best(ledger: Ledger, best_checkpoint: str | None) -> None:
         ledger.continue_from(Ledger.read(best_checkpoint))
 
 
-def refuse_finished_checkpoint(checkpoint: str, max_steps: int) -> None:
+def refuse_finished_checkpoint(checkpoint: str, max_steps: int, trainer=None) -> None:
     """A checkpoint already at ``max_steps`` leaves nothing to train, but the Trainer's loop would still run one more
-    round before it checks (a re-run of a finished job would add a round each time): refused instead."""
+    round before it checks (a re-run of a finished job would add a round each time): refused instead. With
+    ``trainer``, a run killed inside its final ledger write is completed first: when the checkpoint is its output
+    folder's newest, the output folder's ledger is restored (:func:`restore_output_ledger`) and the refusal says so."""
     if max_steps <= 0:
         return
+    state = _trainer_state(checkpoint)
+    step = state.get("global_step")
+    if isinstance(step, int) and step >= max_steps:
+        restored = "" if trainer is None else restore_output_ledger(trainer, checkpoint, state)
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r}: the checkpoint is at round {step}, "
+                         f"max_steps={max_steps}; nothing is left to train{restored} (accepted: a checkpoint before "
+                         "round max_steps, or a larger max_steps to continue the run).")
+
+
+def _trainer_state(checkpoint: str) -> dict:
     try:
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-            step = json.load(f)["global_step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # the Trainer's own loading reports what is wrong with it
-    if isinstance(step, int) and step >= max_steps:
-        raise ValueError(f"resume_from_checkpoint={checkpoint!r}: the checkpoint is at round {step}, "
-                         f"max_steps={max_steps}; nothing is left to train (accepted: a checkpoint before round "
-                         "max_steps, or a larger max_steps to continue the run).")
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}  # the Trainer's own loading reports what is wrong with it
+    return state if isinstance(state, dict) else {}
+
+
+def restore_output_ledger(trainer, checkpoint: str, state: dict) -> str:
+    """A finished run killed inside its final ``ledger.save(output_dir)`` has no (or a half-replaced) output ledger:
+    when ``checkpoint`` is the output folder's newest complete one, the ledger the run ended with (the checkpoint's,
+    or with ``load_best_model_at_end`` the best checkpoint's) is written there again, unless it is already there.
+    Returns what was done, for the refusal's message ("" when nothing)."""
+    args = trainer.args
+    output_dir = args.output_dir
+    newest, _ = latest_checkpoint(output_dir)
+    if not args.should_save or newest is None or os.path.abspath(newest) != os.path.abspath(checkpoint):
+        return ""
+    best = state.get("best_model_checkpoint")
+    source = checkpoint
+    if args.load_best_model_at_end and isinstance(best, str) and os.path.isfile(os.path.join(best, LEDGER_NAME)):
+        source = best
+    try:
+        ended = Ledger.read(source)
+    except LedgerError:
+        return ""  # resuming reports it
+    try:
+        if Ledger.read(output_dir)["digest"] == ended["digest"]:
+            return ""
+        found = "another ledger"
+    except LedgerError:
+        found = "no readable ledger"
+    _write_atomically(os.path.join(output_dir, LEDGER_NAME), os.path.join(source, LEDGER_NAME))
+    logger.warning("output_dir=%r held %s (the run was interrupted while writing its final ledger): restored its %s "
+                   "from %s.", output_dir, found, LEDGER_NAME, source)
+    return f"; output_dir held {found}: its {LEDGER_NAME} was restored from {source!r}, the ledger the run ended with"
+
+
+def _write_atomically(path: str, source: str) -> None:
+    tmp = os.path.join(os.path.dirname(path), temporary_name())
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

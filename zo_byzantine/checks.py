@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from torch.utils.data import IterableDataset
 
 from .attacks import Attack, model_num_labels
-from .federation import Federation, dataset_labels, partition_dataset
+from .federation import FederatedBatchSampler, Federation, dataset_labels, partition_dataset
 from .ledger import MAX_BYTES
 from .validation import is_number
 
@@ -68,6 +68,7 @@ BYTES_PER_DIRECTION, BYTES_PER_SCALAR, BYTES_PER_INDEX, BYTES_PER_CLIENT = 200, 
 # a ledger's file per update direction, at least: "[s, t, l, r]" (s's digits + ~12) and its coefficient (~18)
 FILE_BYTES_PER_DIRECTION = 30
 STEP_SETTINGS = ("logging_steps", "eval_steps", "save_steps")
+STAGED_HUB_STRATEGIES = ("checkpoint", "all_checkpoints")  # push_to_hub strategies that upload a checkpoint's folder
 
 
 def round_directions(args: ZOByzantineArguments, clients: int) -> tuple[int, int]:
@@ -84,7 +85,7 @@ def check_bounds(args: ZOByzantineArguments) -> None:
     memory, the ledger of ``max_steps`` rounds must stay readable (:data:`ledger.MAX_BYTES`), the logging, evaluation
     and save intervals must be positive, and a checkpoint path must exist."""
     n, m, b = args.num_clients, args.clients_per_round or args.num_clients, args.per_device_train_batch_size
-    planned, applied = round_directions(args, m)
+    planned, _ = round_directions(args, m)
     need = planned * BYTES_PER_DIRECTION + m * args.local_steps * args.num_perturbations * BYTES_PER_SCALAR + \
         m * b * BYTES_PER_INDEX + n * BYTES_PER_CLIENT
     limit = memory_quarter_gb()
@@ -96,15 +97,13 @@ def check_bounds(args: ZOByzantineArguments) -> None:
             f"machine's memory ({limit:.1f} GiB); accepted: settings whose round fits (fewer directions x local steps "
             "x clients, or a smaller batch)."
         )
-    per_direction = len(str(args.seed if args.zo_seed is None else args.zo_seed)) + FILE_BYTES_PER_DIRECTION
-    file_bytes = args.max_steps * applied * per_direction
-    if file_bytes > MAX_BYTES:
-        raise ValueError(
-            f"max_steps={args.max_steps} rounds of {applied} directions (num_perturbations={args.num_perturbations}, "
-            f"local_steps={args.local_steps}) make a ledger of about {file_bytes / 2**30:.1f} GiB, over the "
-            f"{MAX_BYTES / 2**30:.0f} GiB a ledger may have to be read back (resume, replay); accepted: max_steps x "
-            f"directions per round up to about {MAX_BYTES // per_direction}."
-        )
+    if args.max_steps > 0:  # else the rounds follow from the data: check_epoch_rounds, once the clients are built
+        check_ledger_size(args, args.max_steps, f"max_steps={args.max_steps}")
+    if args.push_to_hub and str(args.hub_strategy) in STAGED_HUB_STRATEGIES and str(args.save_strategy) != "no":
+        raise ValueError(f"push_to_hub with hub_strategy={str(args.hub_strategy)!r} uploads each checkpoint in the "
+                         "background from the folder it is written in, which is a staging folder renamed right after "
+                         "(checkpoints are written complete or not at all); accepted: hub_strategy='every_save' or "
+                         "'end'.")
     for name in STEP_SETTINGS:
         value = getattr(args, name)
         if value is not None and (not is_number(value) or not 0 < value < math.inf):
@@ -115,6 +114,32 @@ def check_bounds(args: ZOByzantineArguments) -> None:
     if isinstance(resume, str) and resume.lower() not in ("true", "last") and not os.path.isdir(resume):
         raise ValueError(f"resume_from_checkpoint={resume!r}: no such checkpoint folder; accepted: the path of a "
                          "checkpoint-N folder, or true / last (the newest complete checkpoint in output_dir).")
+
+
+def check_ledger_size(args: ZOByzantineArguments, rounds: int, what: str) -> None:
+    """The ledger of ``rounds`` rounds (``what``: the settings that make them) must stay readable
+    (:data:`ledger.MAX_BYTES`)."""
+    _, applied = round_directions(args, args.clients_per_round or args.num_clients)
+    per_direction = len(str(args.seed if args.zo_seed is None else args.zo_seed)) + FILE_BYTES_PER_DIRECTION
+    file_bytes = rounds * applied * per_direction
+    if file_bytes > MAX_BYTES:
+        raise ValueError(
+            f"{what} rounds of {applied} directions (num_perturbations={args.num_perturbations}, "
+            f"local_steps={args.local_steps}) make a ledger of about {file_bytes / 2**30:.1f} GiB, over the "
+            f"{MAX_BYTES / 2**30:.0f} GiB a ledger may have to be read back (resume, replay); accepted: rounds x "
+            f"directions per round up to about {MAX_BYTES // per_direction}."
+        )
+
+
+def check_epoch_rounds(args: ZOByzantineArguments, federation: Federation) -> None:
+    """``max_steps <= 0`` (train for ``num_train_epochs``): the ledger of the rounds that makes, now that the rounds
+    per epoch are known (the clients' data), must stay readable."""
+    if args.max_steps > 0:
+        return
+    per_epoch = max(1, len(FederatedBatchSampler(federation)) // max(1, args.gradient_accumulation_steps))
+    rounds = math.ceil(args.num_train_epochs * per_epoch)
+    check_ledger_size(args, rounds, f"num_train_epochs={args.num_train_epochs} x {per_epoch} rounds per epoch = "
+                                    f"{rounds}")
 
 
 def build_federation(zo: ZOByzantineArguments, dataset) -> Federation:

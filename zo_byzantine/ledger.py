@@ -55,10 +55,11 @@ protocol differs from its own settings (naming each setting) or whose end finger
 checkpoint's weights (another run's ledger, or another checkpoint's).
 
 Version-2 files (no protocol, no end fingerprint) are still read, replayed and resumed from, with a logged
-warning on resume: their settings and their checkpoint's weights cannot be checked. Version-1 files (digest over
-the rounds only, no fingerprint) are still read, for replay and to resume, with a logged warning: their header
-(parameters, weight decay, server) is not protected and their starting weights cannot be checked. Given a key,
-they are refused (they carry no HMAC).
+warning on resume: their settings and their checkpoint's weights cannot be checked. A version-3 file whose protocol or
+end fingerprint is null is refused on resume by a run that has them (its settings or weights cannot be checked).
+Version-1 files (digest over the rounds only, no fingerprint) are still read, for replay and to resume, with a
+logged warning: their header (parameters, weight decay, server) is not protected and their starting weights cannot be
+checked. Given a key, they are refused (they carry no HMAC).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ import logging
 import math
 import os
 import re
+import socket
+import time
 
 import numpy as np
 import torch
@@ -527,16 +530,59 @@ def refuse_differences(details: list[str], source: str) -> None:
                           "Resume with the run's settings, or start a new run (another output_dir).")
 
 
-_TEMPORARY = re.compile(r"\." + re.escape(LEDGER_NAME) + r"\.(\d+)\.tmp")
+UNCHECKED = {  # a version-3 field null in a ledger to continue: what cannot be checked then
+    "protocol": "this run's settings cannot be checked against those its rounds were computed with",
+    "end_fingerprint": "it cannot be checked against the loaded weights (those it was saved with)",
+}
+
+
+def refuse_unchecked(data: dict, field: str, ours, source: str) -> None:
+    """A ledger to continue whose ``field`` (``protocol`` or ``end_fingerprint``) is null while this run has what it
+    is checked against (``ours``): refused for a version-3 file (which records it), a logged warning for older files
+    (written before it was recorded)."""
+    if data.get(field) is not None or ours is None:
+        return
+    if data["version"] >= 3:
+        raise LedgerError(f"Cannot continue {source}: it is a version-{data['version']} ledger whose {field} is null, "
+                          f"so {UNCHECKED[field]}. Restore the checkpoint's own {LEDGER_NAME} (or start a new run).")
+    logger.warning("%s has no %s (written before version 3): %s.", source.capitalize(), field, UNCHECKED[field])
+
+
+# a ledger writer's temporary file: ``.zo_ledger.json.<host>.<pid>.tmp`` (``.zo_ledger.json.<pid>.tmp`` before the
+# host was named); pids are judged only on their own host, any other file once it is older than STALE_SECONDS
+_TEMPORARY = re.compile(r"\." + re.escape(LEDGER_NAME) + r"\.(?:(.+)\.)?(\d+)\.tmp")
+STALE_SECONDS = 3600.0  # a ledger (at most MAX_BYTES) is written in seconds: a temporary file this old is dead
+
+
+def _host() -> str:
+    """This machine's name as it appears in a temporary file's name (characters other than ``[A-Za-z0-9_-]``
+    replaced by ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def temporary_name(pid: int | None = None) -> str:
+    """The name of this process's temporary ledger file."""
+    return f".{LEDGER_NAME}.{_host()}.{os.getpid() if pid is None else pid}.tmp"
+
+
+def _stale(directory: str, name: str, host: str | None, pid: int) -> bool:
+    if host == _host():
+        return pid != os.getpid() and not _alive(pid)
+    try:  # another host's (or an unnamed host's) pid says nothing here: only its age does
+        age = time.time() - os.stat(os.path.join(directory, name)).st_mtime
+    except FileNotFoundError:
+        return False
+    return age > STALE_SECONDS
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:
-    """Remove the temporary files that ledger writers left in ``directory`` when they died (killed while writing);
-    a live process's file is kept. Returns the names removed."""
+    """Remove the temporary files that ledger writers left in ``directory`` when they died (killed while writing):
+    a file of this host whose process is gone, or any file older than :data:`STALE_SECONDS` (another host's, whose
+    pid cannot be checked here); a live process's file is kept. Returns the names removed."""
     removed = []
     for name in os.listdir(directory):
         match = _TEMPORARY.fullmatch(name)
-        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+        if match is None or not _stale(directory, name, match.group(1), int(match.group(2))):
             continue
         try:
             os.remove(os.path.join(directory, name))
@@ -669,15 +715,11 @@ class Ledger:
                    for name in differ]
         protocol = data.get("protocol")
         refuse_differences(details + protocol_differences(protocol, self.protocol), source)
-        if protocol is None and self.protocol is not None:
-            logger.warning("%s records no protocol settings (written before version 3): resuming cannot check that "
-                           "this run's settings are the ones its rounds were computed with.", source.capitalize())
+        refuse_unchecked(data, "protocol", self.protocol, source)
+        refuse_unchecked(data, "end_fingerprint", weights, source)
         end = data.get("end_fingerprint")
         loaded = None if weights is None or end is None else weights_fingerprint(weights)
-        if weights is not None and end is None:
-            logger.warning("%s records no fingerprint of the weights it was saved with: resuming cannot check that it "
-                           "belongs to these weights.", source.capitalize())
-        elif loaded is not None and loaded != end:
+        if loaded is not None and loaded != end:
             raise LedgerError(
                 f"Cannot continue {source}: it was saved with other weights than those loaded (its end_fingerprint "
                 f"{end[:12]}... is not the loaded weights' {loaded[:12]}...): it belongs to another run or another "
@@ -721,7 +763,7 @@ class Ledger:
         remove_stale_temporaries(directory)
         path = os.path.join(directory, LEDGER_NAME)
         text = dumps(self.to_dict(key))
-        tmp = os.path.join(directory, f".{LEDGER_NAME}.{os.getpid()}.tmp")
+        tmp = os.path.join(directory, temporary_name())
         try:
             with open(tmp, "w") as f:
                 f.write(text)

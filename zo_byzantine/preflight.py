@@ -6,6 +6,7 @@ Each refusal is one line naming the argument and what to use."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from transformers import TrainingArguments
@@ -13,11 +14,13 @@ from transformers import TrainingArguments
 from . import callbacks
 from .aggregators import build_aggregator
 from .attacks import build_attack
-from .checks import build_federation, check_label_flipping, check_processes_and_objects
+from .checks import build_federation, check_epoch_rounds, check_label_flipping, check_processes_and_objects
 from .loss_routes import LossFuncForward, probe_loss_route
 from .losses import PerExampleForward
 from .round_log import RoundLog
 from .schedule import Schedule
+
+logger = logging.getLogger(__name__)
 
 TRIAL_WITH_OBJECT = {"aggregator": "rule", "aggregator_kwargs": "rule", "attack": "attack", "attack_kwargs": "attack"}
 
@@ -25,16 +28,21 @@ TRIAL_WITH_OBJECT = {"aggregator": "rule", "aggregator_kwargs": "rule", "attack"
 def check_launcher(args) -> None:
     """``accelerate launch --num_processes N`` (N > 1) on CPU without ``--multi_gpu`` or MPI runs accelerate's simple
     launcher, which starts the script once: it sets ``MASTER_ADDR`` for the N processes it was asked for but no
-    ``WORLD_SIZE``. Refused, saying how to get N processes."""
+    ``WORLD_SIZE``. Refused, saying how to get N processes, when ``MASTER_ADDR`` is the launcher's own loopback
+    default; only warned when it names another host (a job environment may export it for a one-process launch)."""
     env = os.environ
     if args.world_size == 1 and "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env \
             and "WORLD_SIZE" not in env:
-        raise ValueError(
+        message = (
             "accelerate launch --num_processes asked for several processes but started one (on CPU its simple "
             "launcher runs the script once: MASTER_ADDR is set, WORLD_SIZE is not): for N processes use "
             "`torchrun --nproc_per_node N SCRIPT ...` (gloo on CPU, each process a share of the clients); for one, "
             "drop --num_processes."
         )
+        if env["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
+            raise ValueError(message)
+        logger.warning("%s (MASTER_ADDR=%s came with the environment: one process it is.)", message,
+                       env["MASTER_ADDR"])
 
 
 def overrides_per_example_losses(trainer) -> bool:
@@ -56,6 +64,8 @@ def set_up(trainer, aggregator=None, attack=None) -> None:
     # data-dependent checks now, before any evaluation or training: partition, labels, batch vs client data, loss
     dataset = trainer._partitioned = trainer.train_dataset
     trainer.federation = None if dataset is None else build_federation(zo, dataset)
+    if trainer.federation is not None:
+        check_epoch_rounds(zo, trainer.federation)  # max_steps <= 0: the ledger of num_train_epochs
     check_label_flipping(trainer.attack, trainer.model, dataset)
     func = trainer.compute_loss_func
     trainer.forward_per_example = PerExampleForward() if func is None else LossFuncForward(func)
