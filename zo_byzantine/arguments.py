@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 
 from .aggregators import AGGREGATORS, PRE_AGGREGATORS, build_aggregator, parse_step
 from .attacks import ATTACKS, build_attack
-from .checks import check_bounds
+from .bounds import check_bounds
 from .context import SizingError
 from .directions import DISTRIBUTIONS, GENERATORS, build_directions
 from .estimators import ESTIMATORS
