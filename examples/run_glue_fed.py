@@ -266,7 +266,13 @@ def load_model(model_args: ModelArguments, num_labels: int):
     if kind == "auto":
         kind = "masked_lm" if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder else "causal_lm"
     auto = AutoModelForMaskedLM if kind == "masked_lm" else AutoModelForCausalLM
-    return auto.from_pretrained(model_args.model_name_or_path), tokenizer, kind
+    model, info = auto.from_pretrained(model_args.model_name_or_path, output_loading_info=True)
+    head = sorted(k for k in info["missing_keys"] if not k.startswith(f"{model.base_model_prefix}."))
+    if head:  # the label words would be scored by a head drawn at random
+        raise ValueError(f"--head prompt needs the model's LM head, and {model_args.model_name_or_path!r} has none "
+                         f"({len(head)} head weights missing, e.g. {head[0]}): use --head seq_cls, or a masked/causal "
+                         "LM checkpoint (python -m zo_byzantine.models smollm2-135m gives one).")
+    return model, tokenizer, kind
 
 
 def select_trainable(model, model_args: ModelArguments, kind: str):

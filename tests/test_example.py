@@ -104,6 +104,14 @@ def test_a_refusal_on_the_command_line_is_one_line_naming_the_flag(capsys):
         _example().ModelArguments(tuning="prefix")
 
 
+def test_prompt_head_on_an_encoder_without_its_lm_head_is_refused(tmp_path):
+    """all-MiniLM-L6-v2 ships its encoder alone: ``--head prompt`` would score the label words with a masked-LM head
+    drawn at random; refused before any evaluation, naming a missing head weight and what to use."""
+    with pytest.raises(ValueError, match=r"--head prompt needs the model's LM head.*cls\.predictions.*--head seq_cls"):
+        _example().main(["--task", "sst2", "--data_dir", os.path.join(DATA, "sst2"), "--output_dir",
+                         str(tmp_path), "--head", "prompt", "--tuning", "full", "--max_steps", "1"])
+    assert not os.path.exists(os.path.join(tmp_path, "zo_ledger.json"))
+
 def test_offline_without_data_stops_at_once_naming_the_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stop:
