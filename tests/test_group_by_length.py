@@ -124,7 +124,9 @@ def test_targets_in_the_padding_are_kept(tmp_path, tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["auto", "two_forwards"])
 def test_training_grouped_by_length_follows_the_padded_trajectory(tmp_path, tokenizer, schedule):
-    """The same updates up to rounding (a loss difference's rounding, divided by 2 mu, moves a weight by ~1e-6);
+    """The same updates up to rounding: the two ways sum a loss in another order, float32 losses near 0.7 differ by
+    ~6e-8, which divided by 2 mu = 2e-3 and times lr = 0.5 moves a weight by ~1.5e-5 |z| per round (1.3e-5 seen on
+    the fixed test vocabulary), against moves of > 1e-2;
     ``auto`` keeps the round's directions for the split forwards (one draw per direction, not one per chunk)."""
     runs = []
     for group in (False, True):
@@ -138,7 +140,7 @@ def test_training_grouped_by_length_follows_the_padded_trajectory(tmp_path, toke
     start = tiny_bert(vocab_size=tokenizer.vocab_size).state_dict()
     assert max((padded[k] - start[k]).abs().max() for k in padded) > 1e-2
     for key in padded:
-        torch.testing.assert_close(grouped[key] - start[key], padded[key] - start[key], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(grouped[key] - start[key], padded[key] - start[key], rtol=1e-3, atol=5e-5)
     chunks = CLIENTS  # the round's 24 examples in chunks of B = 6
     assert padded_passes == {6.0}  # 2 directions x (2 fused forwards + the update)
     assert grouped_passes == ({2.0} if schedule == "auto" else {2 * (2.0 * chunks + 1)})  # a draw per chunk

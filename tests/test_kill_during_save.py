@@ -19,7 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_worker.p
 ROUNDS = SETTINGS["max_steps"]
 # ledger writes: checkpoint-1 .. checkpoint-6, then the output folder's; trainer states: one per checkpoint
 CHOSEN = [("ledger_write", 2), ("ledger_rename", 4), ("ledger_write", ROUNDS + 1), ("state", 3)]
-RANDOM = [("timer", delay) for delay in random.Random(48).sample(range(0, 40_000), 6)]  # microseconds
+RANDOM = [("timer", delay) for delay in random.Random(48).sample(range(0, 40_000), 3)]  # microseconds
 
 
 def _leg(output_dir, moment="none", count=0) -> int:
