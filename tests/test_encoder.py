@@ -112,6 +112,11 @@ def _encoder_smoke(tmp_path, name, *extra):
     return json.loads(out.read_text())
 
 
+LONG = pytest.mark.skipif(not os.environ.get("ZO_LONG_SMOKES"), reason="an experiment script's resume over two "
+                          "legs (1-3 min): ZO_LONG_SMOKES=1 runs it; left out of CI to keep it under 20 minutes")
+
+
+@LONG
 def test_an_encoder_run_resumed_from_its_checkpoint_follows_the_same_trajectory(tmp_path):
     """``--checkpoint_dir``: 2 rounds, then 2 more from the checkpoint, give the losses and accuracies of 4 rounds
     in one go; the second leg trains 2 rounds (counted by its callback), and the result holds both legs and the

@@ -227,6 +227,11 @@ def _fedes(runs_dir, *extra):
     return json.loads(next(p for p in runs_dir.iterdir() if p.suffix == ".json").read_text())
 
 
+LONG = pytest.mark.skipif(not os.environ.get("ZO_LONG_SMOKES"), reason="an experiment script's resume over two "
+                          "legs (1-3 min): ZO_LONG_SMOKES=1 runs it; left out of CI to keep it under 20 minutes")
+
+
+@LONG
 def test_fedes_smoke_resumes_on_the_same_trajectory(tmp_path):
     """FedES on the paper's MLP (papers/001): 2 rounds, then resumed to 4, equals 4 rounds in one go."""
     sys.path.insert(0, os.path.join(EXPERIMENTS, "fedes"))
@@ -322,6 +327,7 @@ def test_fedes_smoke_with_a_decaying_learning_rate(tmp_path):
     assert cosine["loss"][0] == constant["loss"][0] and cosine["loss"][1] != constant["loss"][1]
 
 
+@LONG
 def test_fedes_decaying_rate_resumes_on_the_same_trajectory(tmp_path):
     """A cosine run stopped by its time after its first round and started again ends where the run in one go ends
     (the scheduler's state travels in the checkpoint); a linear decay over the same rounds is another trajectory."""
