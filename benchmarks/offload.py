@@ -11,17 +11,21 @@ Models (built or converted once into ``$ZO_BYZANTINE_CACHE`` or /tmp/zo_byzantin
 Each configuration runs in a fresh process, one after the other:
 
 - ``memory``: the model loaded whole (``from_pretrained(folder)``);
-- ``disk``: ``from_pretrained(folder, device_map="auto", max_memory={"cpu": budget}, offload_folder=...)``, the
-  weights streamed by ``zo_byzantine.offload`` (read-ahead of ``--window-mb``, update pages prefaulted);
-- ``disk, no read-ahead``: the same with ``window_bytes=0`` (each module's weights read when it starts).
+- ``offload``: ``from_pretrained(folder, device_map="auto", max_memory={"cpu": budget}, offload_folder=...)`` and
+  ``stream_weights(model, budget_bytes=budget)``: the weights streamed by ``zo_byzantine.offload``, the next modules'
+  copies made by the stream's thread while a module computes (``--window-mb``), the update's pages prefaulted;
+- ``offload, no read-ahead``: ``window_bytes=0`` (each module's weights read when it starts);
+- ``offload, kernel read-ahead``: ``read_thread=False``, the kernel asked for the next modules' pages instead;
+- with ``--cold``, ``offload, cold`` (and without read-ahead): the store file's pages dropped from the page cache once
+  used, so that every forward reads them from the disk, as on a client whose memory cannot cache the model.
 
 Peak RSS of a round: the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before the
 second round) minus that of the same rounds on a tiny Llama (1 layer, hidden 16, in a process of its own: the
 interpreter, the libraries and the code pages a round touches): what the model, the stream, the activations and the
-directions take. Time per round: the median of the rounds after the first
-(``training_step`` + ``optimizer.step()``). The store file's pages sit in the page cache (not in the RSS) as the
-kernel keeps them: on this machine the disk reads are served from memory, as they are wherever the page cache holds
-the file. With a GPU, also SmolLM2 in bfloat16 on the GPU with ``max_memory`` below its size (CPU offload).
+directions take. Every process runs with ``MKL_DISABLE_FAST_MM=1`` (MKL keeps its matrix buffers otherwise: 33 MB
+after SmolLM2's output layer). Time per round: the median of the rounds after the first (``training_step`` +
+``optimizer.step()``). Without ``--cold`` the store file's pages stay in the page cache (not in the RSS) as the kernel
+keeps them. With a GPU, also SmolLM2 in bfloat16 on the GPU with ``max_memory`` below its size (CPU offload).
 """
 
 from __future__ import annotations
@@ -127,7 +131,10 @@ def measure(folder: str, mode: str, budget_mb: int, window_mb: float, rounds: in
         memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": 64 << 30}
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="auto", max_memory=memory,
                                                      offload_folder=offload_folder)
-        stream_weights(model, window_bytes=int(window_mb * 2**20) if mode == "offload" else 0, budget_bytes=budget)
+        window = 0 if "no read-ahead" in mode else int(window_mb * 2**20)
+        stream = stream_weights(model, window_bytes=window, budget_bytes=budget, read_thread="kernel" not in mode)
+        if "cold" in mode:
+            cold_cache(stream)
     placement = sorted(set(getattr(model, "hf_device_map", {"": "memory"}).values()), key=str)
     with tempfile.TemporaryDirectory() as out:
         trainer = trainer_for(model, out, rounds)
@@ -142,6 +149,9 @@ def measure(folder: str, mode: str, budget_mb: int, window_mb: float, rounds: in
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if "cold" in mode:  # the update's pages written back and dropped: the round reads them from disk
+                os.fdatasync(stream.fd)
+                os.posix_fadvise(stream.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             tick = time.perf_counter()
             trainer.training_step(model, inputs)
             trainer.optimizer.step()
@@ -161,6 +171,20 @@ def measure(folder: str, mode: str, budget_mb: int, window_mb: float, rounds: in
     return result
 
 
+def cold_cache(stream) -> None:
+    """A page cache that keeps none of the store file: each module's pages dropped once it ran (clean, they go), so
+    that every forward reads them from disk, as on a client whose memory cannot cache the model."""
+    def drop(module, args, output):
+        for unit in stream.units:
+            if unit.module is module:
+                for entry in unit.entries:
+                    if entry.offset is not None and entry.nbytes:
+                        os.posix_fadvise(stream.fd, entry.offset, entry.nbytes, os.POSIX_FADV_DONTNEED)
+
+    for unit in stream.units:
+        unit.module.register_forward_hook(drop)
+
+
 def run_in_process(*job) -> dict:
     os.environ["MKL_DISABLE_FAST_MM"] = "1"  # MKL keeps its matrix buffers otherwise (33 MB after SmolLM2's lm_head)
     with mp.get_context("spawn").Pool(1) as pool:
@@ -176,6 +200,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--window-mb", type=float, default=32.0)
     parser.add_argument("--budget-mb", type=int, default=None, help="instead of each model's budget")
+    parser.add_argument("--cold", action="store_true", help="also with the store file's pages dropped from the page "
+                        "cache once read (every forward reads the disk)")
     cli = parser.parse_args()
     import torch
 
@@ -194,20 +220,29 @@ def main() -> None:
         budget = cli.budget_mb or MODELS[name]
         print(f"\n{name}: {size / 2**20:.0f} MB of float32 weights, budget {budget} MB ({size / 2**20 / budget:.1f}x)")
         rows = {}
-        for mode in ("memory", "offload", "offload, no read-ahead"):
+        modes = ["memory", "offload", "offload, no read-ahead", "offload, kernel read-ahead"]
+        if cli.cold:
+            modes += ["offload, cold", "offload, cold, no read-ahead", "offload, cold, kernel read-ahead"]
+        for mode in modes:
             rows[mode] = run_in_process(folder, mode, budget, cli.window_mb, cli.rounds, cli.clients, cli.batch,
                                         cli.seq_len, "cpu")
             r = rows[mode]
             r["peak_mb"] -= base
-            print(f"  {mode:<22} round {r['round_s']:7.3f} s (rounds {', '.join(f'{t:.2f}' for t in r['rounds_s'])})"
+            print(f"  {mode:<30} round {r['round_s']:7.3f} s (rounds {', '.join(f'{t:.2f}' for t in r['rounds_s'])})"
                   f"  peak RSS {r['peak_mb']:7.1f} MB  placement {r['placement']}  set-up {r['load_s']:.1f} s",
                   flush=True)
         memory, disk, plain = rows["memory"], rows["offload"], rows["offload, no read-ahead"]
         same = all(r["digest"] == memory["digest"] and r["weights"] == memory["weights"] for r in rows.values())
         ratio, peak_ratio = disk["round_s"] / memory["round_s"], disk["peak_mb"] / budget
-        saved = plain["round_s"] - disk["round_s"]
+        kernel = rows["offload, kernel read-ahead"]["round_s"] / memory["round_s"]
         print(f"  offloaded round / in-memory round: {ratio:.2f} (target <= 2); without read-ahead "
-              f"{plain['round_s'] / memory['round_s']:.2f} (read-ahead saves {saved:.3f} s a round)")
+              f"{plain['round_s'] / memory['round_s']:.2f}; the kernel's read-ahead instead {kernel:.2f}")
+        if cli.cold:
+            cold, cold_plain = rows["offload, cold"], rows["offload, cold, no read-ahead"]
+            cold_kernel = rows["offload, cold, kernel read-ahead"]["round_s"] / memory["round_s"]
+            print(f"  page cache dropped: offloaded round / in-memory round {cold['round_s'] / memory['round_s']:.2f}, "
+                  f"without read-ahead {cold_plain['round_s'] / memory['round_s']:.2f} (read-ahead saves "
+                  f"{cold_plain['round_s'] - cold['round_s']:.2f} s a round), kernel read-ahead {cold_kernel:.2f}")
         print(f"  offloaded peak RSS / budget: {peak_ratio:.3f} (target <= 1.15); without read-ahead "
               f"{plain['peak_mb'] / budget:.3f}; in memory {memory['peak_mb'] / budget:.2f}")
         print(f"  ledgers and final weights bitwise equal (memory, offload, no read-ahead): {same}")
@@ -219,7 +254,7 @@ def main() -> None:
         for mode in ("memory", "offload", "offload, no read-ahead"):
             r = run_in_process(folder, mode, budget, cli.window_mb, cli.rounds, cli.clients, cli.batch, cli.seq_len,
                                "cuda")
-            print(f"  {mode:<22} round {r['round_s']:7.3f} s  GPU peak {r['gpu_peak_mb']:.0f} MB  "
+            print(f"  {mode:<30} round {r['round_s']:7.3f} s  GPU peak {r['gpu_peak_mb']:.0f} MB  "
                   f"placement {r['placement']}", flush=True)
     else:
         print("\nGPU: none on this machine; the CPU -> GPU stream (max_memory below the model) is not measured.")

@@ -177,33 +177,45 @@ def test_cached_directions_larger_than_the_budget_are_refused(tmp_path, llama):
     check_offload_settings(resident.args, resident.model)  # a resident model: nothing to refuse
 
 
-def test_read_ahead_loads_the_next_modules_while_one_computes(tmp_path, llama, monkeypatch):
+@pytest.mark.parametrize("read_thread", [True, False])
+def test_read_ahead_loads_the_next_modules_while_one_computes(tmp_path, llama, monkeypatch, read_thread):
+    import threading
+
+    from zo_byzantine import offload
+
     model = load(llama, {"": "disk"}, tmp_path)
-    stream = stream_weights(model, window_bytes=1 << 20)
-    reads = []
+    stream = stream_weights(model, window_bytes=1 << 20, read_thread=read_thread)
+    reads, advised = [], []
     original = stream._read
 
     def spy(unit):
-        import threading
-
         reads.append(threading.current_thread().name.startswith("zo-weight-stream"))
         return original(unit)
 
+    def advise(fd, offset, length, advice):
+        advised.append(offset)
+
     monkeypatch.setattr(stream, "_read", spy)
+    monkeypatch.setattr(offload.os, "posix_fadvise", advise)
     ids = Tokens()[0]["input_ids"][None]
     with torch.no_grad():
         model(ids)  # learns the order the modules run in
         reads.clear()
+        advised.clear()
         model(ids)
-    assert len(reads) == len(stream.units) and sum(reads) == len(reads) - 1  # all but the first read ahead
-    assert not stream._ahead  # nothing left in flight after the forward
+    assert len(reads) == len(stream.units) and not stream._ahead  # nothing left in flight after the forward
+    if read_thread:  # the thread made every copy but the first module's
+        assert sum(reads) == len(reads) - 1 and not advised
+    else:  # the kernel was asked for every module's pages but the first's; the copies made as each one starts
+        assert not any(reads) and len(advised) == sum(len(u.entries) for u in stream.units[1:])
     plain = load(llama, {"": "disk"}, tmp_path / "plain")
-    quiet = stream_weights(plain, window_bytes=0)
+    quiet = stream_weights(plain, window_bytes=0, read_thread=True)
     monkeypatch.setattr(quiet, "_read", spy)
     reads.clear()
+    advised.clear()
     with torch.no_grad():
         plain(ids)
-    assert reads and not any(reads)  # window 0: each module's weights read when it starts
+    assert reads and not any(reads) and not advised  # window 0: each module's weights read when it starts
 
 
 def test_a_budget_streams_modules_accelerate_left_resident(tmp_path, llama):

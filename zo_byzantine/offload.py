@@ -14,8 +14,9 @@ Between forwards a streamed parameter's ``.data`` *is* its home, so whatever rea
 an offloaded module (forward pre-hook, forward hook):
 
 1. its tensors become private copies on the execution device: read from the file with ``pread`` (the file's pages
-   never enter the process's resident set) or copied from CPU memory, by a background thread while the modules before
-   it compute (the modules that followed it in the previous forward, up to ``window_bytes`` ahead, at least one);
+   never enter the process's resident set) or copied from CPU memory, by the stream's thread while the modules
+   before it compute (those that followed it in the previous forward, up to ``window_bytes`` ahead, at least one),
+   and moved to an accelerator on a CUDA stream of its own;
 2. ``perturbation.perturbed`` adds ``sum_k c_k z_k`` to those copies in place (no second copy), after they reached
    the execution device, with the arithmetic of a resident tensor's perturbed forward (the same bits);
 3. after the module ``.data`` is the home again and the copy is freed: a perturbed value is never written back.
@@ -43,6 +44,7 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -120,18 +122,19 @@ def stream_of(model: nn.Module, attach: bool = True) -> WeightStream | None:
 
 
 def stream_weights(model: nn.Module, folder: str | None = None, window_bytes: int = DEFAULT_WINDOW,
-                   budget_bytes: int | None = None) -> WeightStream:
+                   budget_bytes: int | None = None, read_thread: bool | None = None) -> WeightStream:
     """Attach a weight stream to an accelerate-offloaded ``model`` with these settings (a trainer or a parameter table
     built afterwards uses it). ``folder``: where the store file goes (default: accelerate's ``offload_folder``, else
     the temporary folder); ``window_bytes``: how far ahead of the running module weights are read (at least the next
     module; 0: none, and no prefault of the next tensor's pages during the update); ``budget_bytes``: the memory the
-    model may take (:class:`WeightStream`; ``None``: accelerate's placement as it is)."""
+    model may take (``None``: accelerate's placement as it is); ``read_thread``: who reads ahead (see
+    :class:`WeightStream`)."""
     if model.__dict__.get(_ATTRIBUTE) is not None:
         raise ValueError("stream_weights: this model already has a weight stream.")
     if not _offloading_hooks(model):
         raise ValueError("stream_weights: no module of this model is offloaded by accelerate (device_map with 'cpu' "
                          "or 'disk' entries, offload_folder): its weights are resident, nothing to stream.")
-    return WeightStream(model, folder, window_bytes, budget_bytes)
+    return WeightStream(model, folder, window_bytes, budget_bytes, read_thread)
 
 
 def check_offload_settings(args, model: nn.Module) -> None:
@@ -304,12 +307,22 @@ class WeightStream:
     ``budget_bytes``: the memory the model may take on the execution device (CPU memory when it runs on the CPU).
     Modules accelerate left resident are streamed too (from the store file; from CPU memory for an accelerator)
     until what stays resident fits ``budget_bytes`` minus the largest module (the one running, as a private copy or,
-    resident, its perturbed copy), ``window_bytes`` (read ahead) and an eighth of the budget (the activations), kept
-    in module order. ``None``: accelerate's placement as it is.
+    resident, its perturbed copy), what the stream's thread reads ahead (``window_bytes``) and a quarter of the budget
+    (the activations: SmolLM2's logits and their log-softmax take 50 MB for 128 tokens), kept in module order.
+    ``None``: accelerate's placement as it is.
+
+    ``read_thread``: who reads ahead. ``True`` (default): the stream's thread makes the private copies (``pread``, then
+    the copy to an accelerator on a stream of its own), within ``window_bytes`` and the room ``budget_bytes`` leaves;
+    ``False``: the kernel is asked for the next modules' pages (``POSIX_FADV_WILLNEED``) and the copy is made when the
+    module starts. The thread is what overlaps a copy to an accelerator with compute. On 2 CPU cores
+    (``benchmarks/offload.py``, a 1.2 GB Llama, rounds against the in-memory round) either read-ahead saves 3-10 %:
+    1.29x with the thread, 1.33x without read-ahead; with the store's pages dropped from the page cache (a client whose
+    memory cannot cache the model) 1.89x, 1.95x without, 1.77x with the kernel's read-ahead. Copying from the page
+    cache is work for the forward's own cores; runs differ by about as much as the modes.
     """
 
     def __init__(self, model: nn.Module, folder: str | None = None, window_bytes: int = DEFAULT_WINDOW,
-                 budget_bytes: int | None = None):
+                 budget_bytes: int | None = None, read_thread: bool | None = None):
         for name, value in (("window_bytes", window_bytes), ("budget_bytes", budget_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name}={value!r} must be an integer number of bytes >= 0.")
@@ -321,6 +334,7 @@ class WeightStream:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.window, self.budget = window_bytes, budget_bytes
         self.pin = self.device.type == "cuda"
+        self.read_thread = True if read_thread is None else bool(read_thread)
         self.entries: dict[int, Entry] = {}  # id(tensor object) -> entry
         units: dict[nn.Module, list[Entry]] = {}
         sources: list[tuple[Entry, Callable, bool]] = []  # each entry's value (read once below), to the file or not
@@ -368,11 +382,17 @@ class WeightStream:
         self.streamed = {id(e.tensor) for u in self.units for e in u.entries}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-weight-stream")
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._ahead: dict[int, Future] = {}  # unit -> its private copies, read ahead within the running forward
+        # unit -> its private copies read ahead by the stream's thread (None: by the kernel) in the running forward
+        self._ahead: dict[int, Future | None] = {}
+        self._advising: list[Future] = []  # the kernel asked for pages (on the stream's thread)
         self._next: dict[int, int] = {}  # unit -> the unit that ran after it in the last forward
         self._last: int | None = None
         self._forwards = 0  # model forwards running (read-ahead is dropped when the outermost one ends)
         self._prefault_ok = True
+        self._lock = threading.Lock()  # the copies' memory: used by this thread and the stream's
+        self._spare: dict[int, list[torch.Tensor]] = {}  # size -> memory of copies given back
+        self._spare_bytes = self._in_use = 0
+        self._cap = max((u.nbytes for u in self.units), default=0) + (self.window if self.read_thread else 0)
         self.handles = []
         for k, unit in enumerate(self.units):
             self.handles.append(unit.module.register_forward_pre_hook(self._pre_hook(k), prepend=True))
@@ -418,7 +438,11 @@ class WeightStream:
             return sum(t.numel() * t.element_size() for t in unique.values())
 
         largest = max([size(g) for g in groups] + [sum(e.nbytes_of() for e in es) for es in units.values()] + [0])
-        allowance = self.budget - largest - self.window - self.budget // 8  # an eighth for the activations
+        if self.read_thread and self.window:  # read ahead within the room the budget leaves (at least the next module)
+            self.window = max(1, min(self.window, self.budget - largest - self.budget // 4))
+        ahead = self.window if self.read_thread else 0  # the kernel's read-ahead fills the page cache, not the RSS
+        working = largest + ahead + self.budget // 4  # the module running, the copies read ahead, the activations
+        allowance = self.budget - working
         kept = 0
         for group in groups:
             if kept + size(group) <= allowance:
@@ -438,9 +462,10 @@ class WeightStream:
                         sources.append((entry, lambda t=tensor: t, self.device.type == "cpu"))
                     entry.owners.append((module, attribute))
                     entries.append(entry)
-        if kept > allowance:
-            logger.warning("weight stream: budget_bytes=%d is below what one module needs (%d bytes).", self.budget,
-                           largest + self.window)
+        if working > self.budget:
+            logger.warning("weight stream: budget_bytes=%d is below what a round needs beside resident modules: the "
+                           "largest module (%d bytes), what is read ahead (%d) and a quarter for the activations.",
+                           self.budget, largest, ahead)
 
     @staticmethod
     def _accelerate_folder(found) -> str | None:
@@ -514,12 +539,42 @@ class WeightStream:
         return copies
 
     def _buffer(self, entry: Entry) -> torch.Tensor:
-        """Memory for a private copy of ``entry``: pinned for a copy to an accelerator; on the CPU a mapping of its
-        own, unmapped when the copy is freed (from the heap, a thread's arena keeps what it once held)."""
+        """Memory for a private copy of ``entry``: pinned for a copy to an accelerator; on the CPU the memory of a copy
+        of the same size given back (:meth:`_give_back`), else a mapping of its own (the heap would keep it: a
+        thread's arena keeps what it once held). A fresh mapping costs a page fault and a zeroed page every 4 KB:
+        measured, reading into one runs at 40 % of the speed of reading into memory read into before."""
         shape, dtype, size = entry.home.shape, entry.home.dtype, entry.nbytes
         if self.pin or not size:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=entry.home.numel()).view(shape)
+        with self._lock:
+            spare = self._spare.get(size)
+            raw = spare.pop() if spare else None
+            if raw is not None:
+                self._spare_bytes -= size
+            while raw is None and self._spare_bytes and self._spare_bytes + self._in_use + size > self._cap:
+                self._drop_spare()
+            self._in_use += size
+        if raw is None:
+            raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        return raw.view(dtype).view(shape)
+
+    def _give_back(self, entry: Entry, copy: torch.Tensor) -> None:
+        """A private copy's memory, free again: kept for the next copy of its size while the copies in use and kept
+        stay within the largest module (and what the thread reads ahead), the memory the budget counts for them."""
+        if entry.offset is None or self.pin or not entry.nbytes:
+            return
+        size = entry.nbytes
+        with self._lock:
+            self._in_use -= size
+            self._spare.setdefault(size, []).append(copy.reshape(-1).view(torch.uint8))
+            self._spare_bytes += size
+            while self._spare_bytes and self._spare_bytes + self._in_use > self._cap:
+                self._drop_spare()
+
+    def _drop_spare(self) -> None:
+        size = max(k for k, kept in self._spare.items() if kept)
+        self._spare[size].pop()
+        self._spare_bytes -= size
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._copy_stream is None:
@@ -557,9 +612,10 @@ class WeightStream:
             unit.depth -= 1
             if unit.depth:
                 return
-            for entry, _ in unit.copies:
+            for entry, copy in unit.copies:
                 entry.set(entry.home)
                 entry.loaded = entry.perturbed = False
+                self._give_back(entry, copy)
             unit.copies = []
         return hook
 
@@ -578,8 +634,17 @@ class WeightStream:
             size = self.units[u].nbytes
             if self._ahead and queued + size > self.window:
                 return
-            self._ahead[u] = self._pool.submit(self._read, self.units[u])
+            if self.read_thread:
+                self._ahead[u] = self._pool.submit(self._read, self.units[u])
+            else:  # the kernel reads it into the page cache (DMA: no core taken from the forward); copied when it runs
+                self._advising.append(self._pool.submit(self._advise, self.units[u]))  # asking may wait for the disk
+                self._ahead[u] = None
             queued += size
+
+    def _advise(self, unit: Unit) -> None:
+        for entry in unit.entries:
+            if entry.offset is not None and entry.nbytes:
+                os.posix_fadvise(self.fd, entry.offset, entry.nbytes, os.POSIX_FADV_WILLNEED)
 
     def _model_starts(self, module, args):
         self._forwards += 1
@@ -592,11 +657,24 @@ class WeightStream:
         if not self._forwards:
             self.drop_read_ahead()
 
+    def before_update(self) -> None:
+        """The update is about to write the homes: copies read ahead would be stale."""
+        self.drop_read_ahead()
+
     def drop_read_ahead(self) -> None:
-        """Forget copies read ahead (before anything writes the homes: they would be stale)."""
+        """Forget copies read ahead (before anything writes the homes: they would be stale), and the memory of copies
+        given back: outside a forward it is room the loss (a language model's logits) or the update needs."""
         ahead, self._ahead = self._ahead, {}
+        advising, self._advising = self._advising, []
+        for future in advising:
+            future.exception()
         for future in ahead.values():
-            future.exception()  # wait: the thread must not be writing a copy any more
+            if future is not None and future.exception() is None:  # waits: the thread must not be writing a copy
+                for entry, copy in future.result():
+                    self._give_back(entry, copy)
+        with self._lock:
+            while self._spare_bytes:
+                self._drop_spare()
 
     def private(self, tensor: torch.Tensor) -> Entry | None:
         """The entry of ``tensor`` when it holds a private copy now (a module of its unit is running), else ``None``:

@@ -181,7 +181,7 @@ def apply_update(
     """
     directions, stream = table.directions, table.stream
     if stream is not None:
-        stream.drop_read_ahead()  # copies read before this update would be stale
+        stream.before_update()  # copies read before this update would be stale
 
     def update(item):
         index, param = item
