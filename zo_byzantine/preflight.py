@@ -46,6 +46,8 @@ def check_launcher(args) -> None:
 
 
 def overrides_per_example_losses(trainer) -> bool:
+    """Whether ``trainer``'s class replaces ``ZOByzantineTrainer.per_example_losses`` (by name: this module is below
+    the trainer's)."""
     return type(trainer).per_example_losses.__qualname__ != "ZOByzantineTrainer.per_example_losses"
 
 

@@ -52,8 +52,7 @@ class ZOByzantineTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, ZOByzantineArguments):
             raise TypeError(f"ZOByzantineTrainer needs ZOByzantineArguments, got {type(self.args).__name__}.")
-        if type(self).compute_loss is not Trainer.compute_loss and type(self).per_example_losses is \
-                ZOByzantineTrainer.per_example_losses:
+        if type(self).compute_loss is not Trainer.compute_loss and not preflight.overrides_per_example_losses(self):
             raise TypeError(
                 f"{type(self).__name__} overrides compute_loss, which the rounds cannot use: a round needs every "
                 "client's per-example losses, not one batch loss. Override per_example_losses(model, inputs) -> "
