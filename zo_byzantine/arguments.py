@@ -31,6 +31,7 @@ GeneratorName = Literal["counter", "torch"]
 Distribution = Literal["gaussian", "rademacher"]
 ByzantineSelection = Literal["first", "random"]
 ServerOptimizer = Literal["sgd", "amsgrad"]
+UpdateRounding = Literal["stochastic", "nearest"]
 
 DIRECTIONS = get_args(Directions)
 AGGREGATION_SPACES = get_args(AggregationSpace)
@@ -165,6 +166,11 @@ class ZOByzantineArguments(TrainingArguments):
         dense_memory_limit_gb (`float`, *optional*): largest n*d*8 bytes accepted for R^d aggregation; 1/4 of RAM.
         server_optimizer (`str`, defaults to `"sgd"`): `"sgd"` or `"amsgrad"` (ZO-AdaFL; dense state 3d floats).
         server_betas, server_eps, server_v0: AMSGrad's (0.9, 0.99), 1e-8 (inside the square root), 1e-5.
+        update_rounding (`str`, defaults to `"stochastic"`): how the update is written into weights held in bfloat16
+            or float16: `"stochastic"` computes it in float32 and rounds stochastically (unbiased, seeded by the
+            round's seeds: every party and a ledger replay round alike), so that steps below the dtype's resolution
+            (a MeZO-sized lr) still train; `"nearest"` rounds to nearest (such steps are lost; warned once).
+            float32 and float64 weights are written the same way under both.
 
     Parameters that control aggregation and attacks:
         aggregator (`str`, defaults to `"mean"`): robust rule, by registered name.
@@ -236,6 +242,10 @@ class ZOByzantineArguments(TrainingArguments):
     )
     server_eps: float = field(default=1e-8, metadata={"help": "AMSGrad eps (inside the square root)."})
     server_v0: float = field(default=1e-5, metadata={"help": "AMSGrad initial second moment."})
+    update_rounding: UpdateRounding = field(
+        default="stochastic", metadata={"help": "stochastic (bf16/fp16 weights: unbiased seeded rounding of the "
+                                                "float32 update) or nearest."}
+    )
 
     def __post_init__(self):
         self.validate_numbers()  # before TrainingArguments' own checks, whose messages would mislead
@@ -342,6 +352,7 @@ class ZOByzantineArguments(TrainingArguments):
         build_directions(self.zo_generator, self.zo_distribution)  # names both settings when they do not fit
         check_choice("aggregation_space", self.aggregation_space, AGGREGATION_SPACES)
         check_choice("server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_choice("update_rounding", self.update_rounding, get_args(UpdateRounding))
         if self.estimator == "first_order" and (self.local_steps != 1 or self.aggregation_space != "projection"):
             raise ValueError(
                 "estimator='first_order' (FedAvg) runs with local_steps=1 and aggregates in R^d already; "

@@ -10,16 +10,25 @@ Server rule ``sgd``: ``w <- w - lr (g + wd w)`` (no state). Server rule ``amsgra
 SPEC 4) on the pseudo-gradient ``h = local_lr * g``:
 ``m <- b1 m + (1 - b1) h``, ``v <- b2 v + (1 - b2) h^2``, ``vhat <- max(vhat, v)`` (``v0 = vhat0 = 1e-5``),
 ``w <- w - lr m / sqrt(vhat + eps)``, no bias correction. Its state is dense: 3 d floats.
+
+Weights held in bfloat16 or float16 get the update computed in float32 and rounded stochastically
+(``rounding="stochastic"``, the default; ``rounding.py``), so that steps below the dtype's resolution are kept in
+expectation; ``rounding="nearest"`` rounds to nearest, with a warning (once) when most of an update rounds away.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
-from .perturbation import ParameterTable, Terms, apply_update
-from .validation import check_real
+from .directions import tensor_seed
+from .perturbation import ParameterTable, Terms, apply_update, rounded_away
+from .rounding import ROUNDINGS, STOCHASTIC_DTYPES, rounding_key, rounds_stochastically, stochastic_round_
+from .validation import check_choice, check_real
+
+logger = logging.getLogger(__name__)
 
 SERVER_OPTIMIZERS = ("sgd", "amsgrad")
 
@@ -48,7 +57,9 @@ class ZOOptimizer(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.99),
         eps: float = 1e-8,
         v0: float = 1e-5,
+        rounding: str = "stochastic",
     ):
+        check_choice("update_rounding", rounding, ROUNDINGS)
         if server not in SERVER_OPTIMIZERS:
             raise ValueError(f"server_optimizer={server!r} is not supported; accepted: {', '.join(SERVER_OPTIMIZERS)}.")
         check_real("ZOOptimizer: local_lr", local_lr, 0.0)
@@ -62,6 +73,10 @@ class ZOOptimizer(torch.optim.Optimizer):
         self._staged: Terms | None = None
         self._dense: list[torch.Tensor] | None = None
         self._cache: dict | None = None
+        self.rounding = rounding
+        self.dense_steps = 0  # salt of a dense update's rounding bits (it has no seeds)
+        self._resolution_checked = rounding == "stochastic" or not any(p.dtype in STOCHASTIC_DTYPES
+                                                                       for p in table.params)
 
     def stage(self, terms: Terms, cache: dict | None = None) -> None:
         """The next ``step()`` applies ``g = sum_k c_k z_k`` (``cache``: directions already drawn, by seed)."""
@@ -104,17 +119,42 @@ class ZOOptimizer(torch.optim.Optimizer):
         lr, decay = self.learning_rate(), self.weight_decay()
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"ZOOptimizer: learning rate {lr!r} must be a finite number >= 0 (from the scheduler?).")
+        if not self._resolution_checked and self._staged and lr > 0:
+            self._check_resolution(lr)
         if self.server == "sgd" and self._dense is None:
-            apply_update(self.table, self._staged, lr, decay, self._cache)
+            apply_update(self.table, self._staged, lr, decay, self._cache, self.rounding)
         else:
+            if self._dense is not None:
+                self.dense_steps += 1
+            key = rounding_key(self._staged or [], self.dense_steps if self._dense is not None else 0)
             for index, param in self.table:
                 g = self._dense[index].to(param.device) if self._dense is not None else self.table.directions.total(
                     param, index, self._staged, self._cache)
+                step = self._server_direction(param, g)
+                if rounds_stochastically(param.dtype, self.rounding):  # in float32, rounded once
+                    exact = param.float()
+                    if decay.get(index):
+                        exact.mul_(1.0 - lr * decay[index])
+                    exact.add_(step.float(), alpha=-lr)
+                    stochastic_round_(param.data, exact, tensor_seed(key, index))
+                    continue
                 if decay.get(index):
                     param.mul_(1.0 - lr * decay[index])
-                param.add_(self._server_direction(param, g), alpha=-lr)
+                param.add_(step, alpha=-lr)
         self._staged = self._dense = self._cache = None
         return None
+
+    def _check_resolution(self, lr: float) -> None:
+        """Once, at the first seeded update with ``lr > 0`` under ``rounding="nearest"``: warn when most weights of a
+        dtype narrower than float32 that the update moves keep their value (the step is below the dtype's spacing)."""
+        self._resolution_checked = True
+        for dtype, share in rounded_away(self.table, self._staged, lr, self._cache).items():
+            if share > 0.5:
+                logger.warning(
+                    "learning_rate=%g with %s weights and update_rounding='nearest': %.1f%% of the weights this update "
+                    "moves keep their value (the step is below half the dtype's spacing there and rounds away), so "
+                    "the model barely trains. update_rounding='stochastic' (the default) rounds the float32 update "
+                    "stochastically, unbiased; or hold the weights in float32.", lr, dtype, 100 * share)
 
     def _server_direction(self, param: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if self.server == "sgd":

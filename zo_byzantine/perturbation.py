@@ -27,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from .directions import COUNTER, Directions, Terms, build_directions, direction_seed, tensor_seed
+from .directions import COUNTER, CounterDirections, Directions, Terms, build_directions, direction_seed, tensor_seed
 from .offload import stream_of
+from .rounding import ROUNDINGS, STOCHASTIC_DTYPES, rounding_key, rounds_stochastically, stochastic_round_
 
 __all__ = ["COUNTER", "ParameterTable", "Terms", "antithetic", "apply_update", "direction_seed", "perturbed",
-           "tensor_seed"]
+           "rounded_away", "tensor_seed"]
 
 
 class ParameterTable:
@@ -166,6 +167,8 @@ def apply_update(
     lr: float,
     weight_decay: dict[int, float] | None = None,
     cache: dict | None = None,
+    rounding: str = "stochastic",
+    salt: int = 0,
 ) -> None:
     """In place: ``w_j <- w_j - lr * (sum_k c_k z_k[j] + wd_j * w_j)`` for every parameter ``j``.
 
@@ -175,23 +178,38 @@ def apply_update(
     GIL); the arithmetic per tensor is unchanged. With ``cache`` (directions kept by the ``cached``
     schedule) no ``z`` is drawn again.
 
+    ``rounding`` (``update_rounding``): ``"stochastic"`` writes a bfloat16 or float16 weight as the float32 result
+    ``(w_j (1 - lr wd_j)) - lr sum_k c_k z_k[j]`` rounded stochastically (``rounding.py``: unbiased, its bits seeded
+    by the terms' seeds and ``salt``, so a replay rounds the same way); ``"nearest"`` rounds each operation to the
+    nearest value of the weight's dtype, which loses every step below half its spacing. float32 and float64 weights
+    are written the same way under both.
+
     A streamed tensor (``table.stream``: an offloaded model) is updated where it lives, its home (``offload.py``):
     the store file through its shared mapping, or CPU memory; its ``z`` regenerated (the same bits as kept ones, and
     where the home is), its pages faulted in while the tensor before it is updated and dropped after.
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"update_rounding={rounding!r} is not supported; accepted: {', '.join(ROUNDINGS)}.")
     directions, stream = table.directions, table.stream
     if stream is not None:
         stream.before_update()  # copies read before this update would be stale
+    key = rounding_key(terms, salt) if any(rounds_stochastically(p.dtype, rounding) for p in table.params) else 0
 
     def update(item):
         index, param = item
         streamed = stream is not None and stream.holds(param)
+        kept = None if streamed else cache
         with torch.no_grad():  # grad mode is per thread
             decay = (weight_decay or {}).get(index, 0.0)
-            if decay:
-                param.mul_(1.0 - lr * decay)
-            if terms:
-                directions.step_(param, index, terms, lr, None if streamed else cache)
+            if rounds_stochastically(param.dtype, rounding):
+                exact = _exact_update(directions, param, index, terms, lr, decay, kept)
+                stochastic_round_(param.data, exact, tensor_seed(key, index))
+                torch.autograd.graph.increment_version(param)
+            else:
+                if decay:
+                    param.mul_(1.0 - lr * decay)
+                if terms:
+                    directions.step_(param, index, terms, lr, kept)
         if streamed:
             stream.updated(param)
 
@@ -203,6 +221,41 @@ def apply_update(
             update(item)
     else:
         list(_POOL.map(update, table))
+
+
+def _exact_update(directions: Directions, param: torch.Tensor, index: int, terms: Terms, lr: float, decay: float,
+                  cache: dict | None) -> torch.Tensor:
+    """The float32 value of ``param``'s update before its final rounding: ``T(p) (1 - lr wd) - lr sum_k c_k z_k``.
+    The counter generator sums in float32 whatever the weights' dtype (``directions.py``), so its in-place step on a
+    float32 copy gives the value a nearest-rounded step rounds; the torch generator draws ``z`` in the weights' dtype
+    (as its kept directions are), summed there."""
+    exact = param.detach().float()
+    if decay:
+        exact.mul_(1.0 - lr * decay)
+    if terms:
+        if isinstance(directions, CounterDirections):
+            directions.step_(exact, index, terms, lr, cache)
+        else:
+            exact.add_(directions.total(param.detach(), index, terms, cache).float(), alpha=-lr)
+    return exact
+
+
+def rounded_away(table: ParameterTable, terms: Terms, lr: float, cache: dict | None = None) -> dict[torch.dtype, float]:
+    """For each dtype narrower than float32 (bfloat16, float16) among the table's weights: the share of its weights
+    that the update ``w - lr sum_k c_k z_k`` moves in float32 and rounding to nearest leaves where they are (the step is
+    below half the dtype's spacing there). Nothing is written. One extra update's arithmetic."""
+    moved: dict[torch.dtype, list[int]] = {}
+    with torch.no_grad():
+        for index, param in table:
+            if param.dtype not in STOCHASTIC_DTYPES or not terms:
+                continue
+            exact = _exact_update(table.directions, param, index, terms, lr, 0.0, cache)
+            changed = exact != param.detach().float()
+            stuck = changed & (exact.to(param.dtype) == param.detach())
+            counts = moved.setdefault(param.dtype, [0, 0])
+            counts[0] += int(stuck.sum())
+            counts[1] += int(changed.sum())
+    return {dtype: stuck / total for dtype, (stuck, total) in moved.items() if total}
 
 
 _GROUP = threading.local()  # the group an enclosing owner module is running (nested owners run it too)

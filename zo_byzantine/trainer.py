@@ -93,6 +93,7 @@ class ZOByzantineTrainer(Trainer):
                 betas=tuple(zo.server_betas),
                 eps=zo.server_eps,
                 v0=zo.server_v0,
+                rounding=zo.update_rounding,
             )
         if not isinstance(self.optimizer, ZOOptimizer):
             raise TypeError(
