@@ -1,11 +1,15 @@
 """In-process stand-ins for a Flower deployment: a grid that hands each message to a node's ClientApp (real Flower
-``Message``/``Context`` objects, each node with its own persistent ``Context.state``), and the example app's task."""
+``Message``/``Context`` objects, each node with its own persistent ``Context.state`` and its own store in a temporary
+folder), and the example app's task."""
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
+import tempfile
+import weakref
 
 import pytest
 
@@ -44,6 +48,8 @@ class LoopbackGrid:
     both to the ``Coordinator``). ``tamper(reply, message) -> list[Message]`` may replace each reply (a hostile
     node: every reply it returns is delivered when the message's id is pulled, whatever it answers); ``down``: node
     ids that are connected but never answer; ``keys``: node id -> the public key ``get_nodes`` reports (PEM).
+    Every node's store (node config ``store-dir``, unless given) is under :attr:`store_root`, a temporary folder
+    removed with the grid.
     """
 
     def __init__(self, config: dict, nodes: dict[int, dict], tamper=None, delays: dict[int, float] | None = None,
@@ -52,6 +58,8 @@ class LoopbackGrid:
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SERVER_NODE, 1
         self.config, self.app, self.tamper = config, client_app(), tamper
+        self.store_root = tempfile.mkdtemp(prefix="zo_flower_stores_")
+        weakref.finalize(self, shutil.rmtree, self.store_root, True)
         self.nodes = dict(nodes)
         self.states = {node: RecordDict() for node in nodes}
         self.down: set[int] = set()
@@ -84,7 +92,8 @@ class LoopbackGrid:
             node = message.metadata.dst_node_id
             if node in self.down or node not in self.nodes:
                 continue
-            context = Context(RUN_ID, node, self.nodes[node], self.states[node], self.config)
+            node_config = {"store-dir": self.store_root, **self.nodes[node]}
+            context = Context(RUN_ID, node, node_config, self.states[node], self.config)
             try:
                 reply = self.app(message, context)
             except Exception as err:  # as a SuperNode does: the ClientApp's exception becomes an error reply
@@ -92,6 +101,12 @@ class LoopbackGrid:
             replies = self.tamper(reply, message) if self.tamper else [reply]
             self.queued[ids[-1]] = (self.now + self.delays.get(node, 0.0), replies)
         return ids
+
+    def store(self, node: int):
+        """Node ``node``'s store (as its ClientApp opens it)."""
+        from zo_byzantine.flower.store import NodeStore
+
+        return NodeStore.of({"store-dir": self.store_root, **self.nodes.get(node, {})}, node, RUN_ID)
 
     def pull_messages(self, message_ids):
         ready = [i for i in message_ids if i in self.queued and self.queued[i][0] <= self.now]
@@ -122,8 +137,19 @@ def coordinator(config: dict, grid: LoopbackGrid | None = None):
 
 
 def node_weights(grid: LoopbackGrid, node: int) -> list:
-    """The weights node ``node`` keeps in its ``Context.state``."""
-    return list(grid.states[node]["zo_weights"].to_torch_state_dict().values())
+    """The weights node ``node`` keeps in its store, after the rounds its ``Context.state`` says it has applied."""
+    progress = grid.states[node]["zo_progress"]
+    store = grid.store(node)
+    (name,) = store.weight_files()
+    assert name == store.weights_name(progress["start"], progress["applied"])
+    from safetensors.torch import load_file
+
+    from zo_byzantine.flower import read_run_config
+    from zo_byzantine.flower.config import build_task
+
+    kept = load_file(store.path(name))
+    model = build_task(read_run_config(grid.config), grid.config).model
+    return [kept[n] for n, p in model.named_parameters() if p.requires_grad]
 
 
 def replayed_weights(config: dict, ledger, rounds: int) -> list:
@@ -220,6 +246,8 @@ class LocalDeployment:
         raise RuntimeError(f"the SuperLink did not start: {self.tail('superlink')}")
 
     def start_supernode(self, name: str, node_config: dict, private_key: str | None = None) -> None:
+        """Start SuperNode ``name``; its store (node config ``store-dir``, unless given) is under ``root``."""
+        node_config = {"store-dir": os.path.join(self.root, "stores"), **node_config}
         config = " ".join(f"{k}={_toml_value(v)}" for k, v in node_config.items())
         security = ["--root-certificates", self.certificates["ca.crt"]] if self.certificates else ["--insecure"]
         key = ["--auth-supernode-private-key", private_key] if private_key else []

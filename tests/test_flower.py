@@ -32,6 +32,7 @@ from zo_byzantine.flower import (
     report_content,
 )
 from zo_byzantine.flower.config import build_task
+from zo_byzantine.flower.store import NodeStore
 from zo_byzantine.flower.wire import REPORT, catch_up_content
 from zo_byzantine.schedule import Schedule
 
@@ -326,15 +327,18 @@ def test_a_node_out_of_sync_refuses_then_starts_over():
     coord.register(grid)
     coord.round(grid, 0)
     coord.round(grid, 1)
-    kept = grid.states[101]["zo_weights"]
-    weights = {k: v + 1e-3 for k, v in kept.to_torch_state_dict().items()}  # its weights drifted
-    from flwr.app import ArrayRecord
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    grid.states[101]["zo_weights"] = ArrayRecord(weights)
+    store = grid.store(101)
+    (name,) = store.weight_files()
+    with safe_open(store.path(name), framework="pt") as f:
+        kept, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file({k: v + 1e-3 for k, v in kept.items()}, store.path(name), metadata=metadata)  # its weights drifted
     entry = coord.round(grid, 2)
     assert 1 not in entry["accepted"]
     assert any("weights differ from the server's" in p["reason"] for p in entry["problems"])
-    assert "zo_weights" not in grid.states[101]
+    assert "zo_progress" not in grid.states[101] and store.weight_files() == []
     assert coord.round(grid, 3)["catch_up"] == [1]  # it starts over: asks for every round
     assert coord.applied[101] == 0
 
@@ -349,25 +353,27 @@ def _node_inputs(config):
     return deployment, coord, plan
 
 
-def test_a_node_refuses_a_plan_it_cannot_reproduce():
+def test_a_node_refuses_a_plan_it_cannot_reproduce(tmp_path):
     config = run_config()
     deployment, coord, plan = _node_inputs(config)
     task = build_task(deployment, config)
     node = read_node_config({"partition-id": 0, "num-partitions": 3}, 3)
     content = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
-    assert answer(content, RecordDict(), deployment, task, node)[REPORT]["client"] == 0  # the plan as sent: answered
+    store = NodeStore(str(tmp_path))
+    assert answer(content, RecordDict(), deployment, task, node, store)[REPORT]["client"] == 0  # as sent: answered
     other = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
     other["plan"]["generator_name"] = "torch"
     with pytest.raises(PlanRefused, match="cannot reproduce them"):
-        answer(other, RecordDict(), deployment, task, node)
+        answer(other, RecordDict(), deployment, task, node, store)
     with pytest.raises(PlanRefused, match="start weights differ"):
-        answer(plan_content(plan, 0, [], "0" * 64, coord.replica.fingerprint()), RecordDict(), deployment, task, node)
+        answer(plan_content(plan, 0, [], "0" * 64, coord.replica.fingerprint()), RecordDict(), deployment, task, node,
+               store)
     import dataclasses
 
     unsampled = dataclasses.replace(plan, participants=(1, 2))
     with pytest.raises(PlanRefused, match="client 0 was not sampled in round 0"):
         answer(plan_content(unsampled, 0, [], coord.replica.start, coord.replica.fingerprint()), RecordDict(),
-               deployment, task, node)
+               deployment, task, node, store)
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
@@ -397,7 +403,7 @@ def test_bad_node_config_is_refused(node_config, match):
         read_node_config(node_config, 3)
 
 
-def test_replica_keeps_exact_weights_in_the_node_state():
+def test_replica_keeps_exact_weights_in_the_node_store(tmp_path):
     config = run_config()
     deployment = read_run_config(config)
     replica = Replica(build_task(deployment, config).model, deployment.args)
@@ -405,10 +411,11 @@ def test_replica_keeps_exact_weights_in_the_node_state():
         for p in replica.table.params:
             p.add_(torch.randn_like(p) * 1e-3)
     replica.applied = 5
-    state = RecordDict()
-    replica.save(state)
+    state, store = RecordDict(), NodeStore(str(tmp_path))
+    replica.save(state, store)
+    assert set(state.keys()) == {"zo_progress"}  # the Context holds the progress record only
     other = Replica(build_task(deployment, config).model, deployment.args)
-    assert other.load(state) and other.applied == 5 and other.fingerprint() == replica.fingerprint()
+    assert other.load(state, store) and other.applied == 5 and other.fingerprint() == replica.fingerprint()
 
 
 def test_a_node_checks_its_schedule_at_its_first_plan_only(monkeypatch):

@@ -4,17 +4,28 @@
     client_app() -> ClientApp    @query: this node's client id;  @train: answer a plan (node.answer)
 
 A Flower App (``examples/flower``) exposes them: ``app = server_app()``, ``app = client_app()``.
+
+Flower runs every message to a node in a fresh ClientApp process, so the ClientApp imports only what a node needs
+(no transformers Trainer, peft, datasets or scikit-learn: see ``zo_byzantine/__init__.py``); the node's store
+(``store.NodeStore``) keeps its checked settings, partition and weights between the messages. With the environment
+variable ``ZO_FLOWER_TIMINGS=1`` on the SuperNode, every plan appends its steps' wall-clock times to
+``timings.jsonl`` in the node's store (``benchmarks/flower_round.py`` reads them).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import time
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from .config import build_task, read_node_config, read_run_config
-from .coordinator import Coordinator
-from .node import answer
+from .config import build_task, node_deployment, read_node_config, read_run_config
+from .store import NodeStore
+
+TIMINGS_ENV, TIMINGS_FILE = "ZO_FLOWER_TIMINGS", "timings.jsonl"
 
 
 def server_app() -> ServerApp:
@@ -23,10 +34,43 @@ def server_app() -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        from .coordinator import Coordinator  # the server's imports (evaluation, checkpoints): not a ClientApp's
+
         deployment = read_run_config(context.run_config)
         Coordinator(deployment, build_task(deployment, context.run_config)).run(grid)
 
     return app
+
+
+def process_start() -> float | None:
+    """This process's start, wall clock (Linux ``/proc``), or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Bytes of ``content`` as Flower serialises it between processes (every deflated object of its tree)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+
+
+def record_timings(store: NodeStore, marks: dict, msg: Message, reply: RecordDict, context: Context) -> None:
+    """Append one plan's line to ``timings.jsonl`` in the node's store: the wall-clock times of its steps, the
+    round, and the bytes SuperNode and ClientApp exchanged for it (plan, reply, and the ``Context`` each way)."""
+    from flwr.common.serde import context_to_proto
+
+    marks.update(process=process_start(), round=int(msg.content["plan"]["round"]),
+                 plan_bytes=content_bytes(msg.content), reply_bytes=content_bytes(reply),
+                 context_bytes=context_to_proto(context).ByteSize(), pid=os.getpid())
+    with open(store.path(TIMINGS_FILE), "a") as f:
+        f.write(json.dumps(marks) + "\n")
 
 
 def client_app() -> ClientApp:
@@ -35,15 +79,25 @@ def client_app() -> ClientApp:
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        deployment = read_run_config(context.run_config)
+        store = NodeStore.of(context.node_config, context.node_id, context.run_id)
+        deployment = node_deployment(context.run_config, store)  # the node's one full check of the run config
         node = read_node_config(context.node_config, deployment.args.num_clients)
         return Message(RecordDict({"hello": MetricRecord({"client": node.client})}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        deployment = read_run_config(context.run_config)
+        marks = {"started": time.time()}
+        store = NodeStore.of(context.node_config, context.node_id, context.run_id)
+        deployment = node_deployment(context.run_config, store)
         node = read_node_config(context.node_config, deployment.args.num_clients)
         task = build_task(deployment, context.run_config)
-        return Message(answer(msg.content, context.state, deployment, task, node), reply_to=msg)
+        marks["task_built"] = time.time()
+        # local import: the node's modules (torch's share of a ClientApp) are imported by the messages that need them
+        from .node import answer
+
+        reply = answer(msg.content, context.state, deployment, task, node, store, marks)
+        if os.environ.get(TIMINGS_ENV) == "1":
+            record_timings(store, marks, msg, reply, context)
+        return Message(reply, reply_to=msg)
 
     return app

@@ -21,7 +21,12 @@ Run config (``[tool.flwr.app.config]`` or ``flwr run --run-config``):
                       num_perturbations, local_steps, learning_rate, zo_seed, partition, ...), checked by it
 
 Node config (``flower-supernode --node-config``): ``partition-id`` (this node's client id), ``num-partitions``
-(must equal num_clients), optional ``attack`` (:data:`NODE_ATTACKS`, ``name:key=value,...``).
+(must equal num_clients), optional ``attack`` (:data:`NODE_ATTACKS`, ``name:key=value,...``), optional
+``store-dir`` (the folder of the node's store, ``store.NodeStore``; "": ``~/.cache/zo_byzantine/flower``).
+
+A node checks the run config with ``ZOByzantineArguments`` (which imports transformers' ``TrainingArguments``:
+seconds) at its first message of a run only, and keeps the settings it uses in its store (:func:`node_deployment`):
+its later messages, each a fresh ClientApp process, read them back.
 
 Not in a deployment (refused here): dense updates (``estimator='first_order'``, ``aggregation_space='parameter'``:
 d floats each way), ``server_optimizer='amsgrad'`` and ``weight_decay`` (the nodes replay the plain update), learning
@@ -32,15 +37,22 @@ every honest vector and stay in the simulation; a node mounts what it can alone 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import json
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..aggregators import parse_step
-from ..arguments import ZOByzantineArguments
 from ..attacks import Attack, build_attack
 from ..validation import check_choice, check_integer, check_real
+
+if TYPE_CHECKING:
+    from ..arguments import ZOByzantineArguments
+    from .store import NodeStore
 
 DEPLOYMENT_KEYS = {
     "task": str, "rounds": int, "round-timeout": float, "min-nodes": int, "startup-timeout": float,
@@ -48,6 +60,15 @@ DEPLOYMENT_KEYS = {
 }
 TASK_PREFIX = "task-"  # keys the task reads (model, data); not checked here
 NODE_ATTACKS = ("none", "sf", "gaussian", "nonfinite", "lf")  # what one node can mount from its own vector and data
+# the ZOByzantineArguments fields a node reads (partition, sampling, batch, directions, update, schedule): what
+# node_deployment keeps in the node's store
+NODE_SETTINGS = (
+    "num_clients", "clients_per_round", "num_byzantine", "byzantine_selection", "partition", "dirichlet_alpha",
+    "min_client_examples", "per_device_train_batch_size", "zo_seed", "zo_generator", "zo_distribution",
+    "learning_rate", "local_learning_rate", "zo_schedule", "zo_cache_budget_gb", "zo_forward_batch_size",
+    "zo_group_by_length", "zo_direction_batch_size",
+)
+SETTINGS_FORMAT = 1  # of the kept settings: a change makes every node check its run config again
 
 
 @dataclass
@@ -90,6 +111,8 @@ def _value(config: dict, key: str, kind: type, default):
 def read_run_config(config: dict, output_dir: str = "/tmp/zo_byzantine_flower") -> Deployment:
     """Check a Flower run config (see the module docstring); ``output_dir`` is the Trainer arguments' scratch
     folder (nothing is written there). Raises ``ValueError`` naming the key."""
+    from ..arguments import ZOByzantineArguments  # transformers' TrainingArguments: only where a config is checked
+
     config = dict(config)
     fields = {f.name for f in dataclasses.fields(ZOByzantineArguments)}
     known = set(DEPLOYMENT_KEYS) | fields
@@ -129,6 +152,32 @@ def read_run_config(config: dict, output_dir: str = "/tmp/zo_byzantine_flower") 
     catch_up = check_integer("run config 'catch-up-limit'", _value(config, "catch-up-limit", int, 64), 1)
     keys = _value(config, "client-keys", str, "")
     return Deployment(args, task, rounds, timeout, min_nodes, startup, out, eval_every, catch_up, keys)
+
+
+def config_digest(config: dict) -> str:
+    """SHA-256 of a run config (keys sorted) with the library's version and :data:`SETTINGS_FORMAT`."""
+    from .. import __version__
+
+    text = json.dumps({"config": dict(config), "version": __version__, "format": SETTINGS_FORMAT}, sort_keys=True,
+                      default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def node_deployment(config: dict, store: NodeStore) -> Deployment:
+    """The checked run config as a node uses it: :func:`read_run_config` at the node's first message of the run
+    (same checks, same errors), its :data:`NODE_SETTINGS` kept in ``store``; later messages read them back (same
+    digest of the run config) without importing transformers. ``args`` is then a namespace of those fields."""
+    from .store import SETTINGS_FILE
+
+    digest = config_digest(config)
+    kept = store.read_json(SETTINGS_FILE)
+    if kept is None or kept.get("digest") != digest:
+        deployment = read_run_config(config)
+        kept = {"digest": digest, "args": {name: getattr(deployment.args, name) for name in NODE_SETTINGS},
+                "deployment": {f.name: getattr(deployment, f.name) for f in dataclasses.fields(Deployment)
+                               if f.name != "args"}}
+        store.write_json(SETTINGS_FILE, kept)
+    return Deployment(SimpleNamespace(**kept["args"]), **kept["deployment"])
 
 
 def build_task(deployment: Deployment, config: dict) -> Task:

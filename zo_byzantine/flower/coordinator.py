@@ -47,7 +47,6 @@ from ..checks import build_federation
 from ..ledger import Ledger
 from ..server import Server
 from .config import Deployment, Task, public_key_id, read_client_keys
-from .evaluation import evaluate_model
 from .replica import Replica
 from .wire import WireError, clip, plan_content, read_reply
 
@@ -55,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 ROUNDS_LOG = "flower_rounds.jsonl"
 QUERY, TRAIN = "query", "train"
-POLL = 1.0  # seconds between pulls while replies are outstanding
+POLL = 1.0  # seconds between pulls while replies are outstanding: at most (a round's first pulls come sooner)
+FIRST_POLL = 0.02  # seconds before a round's second pull; each wait doubles, up to POLL
 REJECTED = "reply rejected"  # how a rejected reply's problem starts (the round's ``rejected`` counts them)
 BACKOFF_CAP = 64  # rounds: the longest wait before a refused node is queried again
 
@@ -97,8 +97,10 @@ class Coordinator:
         ledger: the run's ledger (the same format as the Trainer's).
         clients: node id -> client id of the registered nodes.
         rounds_log: one dict per round: ``round, participants, sent, received, accepted, rejected, missed,
-            catch_up, nonfinite, skipped, loss, seconds, problems`` (see the module docstring), and ``eval_loss,
-            eval_accuracy`` in rounds that evaluate.
+            catch_up, nonfinite, skipped, loss, seconds, problems`` (see the module docstring), ``timing`` (``started``:
+            wall-clock time of the round's start; ``replies``: seconds until the last reply or the deadline;
+            ``aggregate``: seconds of validation, aggregation, ledger and replica), and ``eval_loss, eval_accuracy``
+            in rounds that evaluate.
     """
 
     def __init__(self, deployment: Deployment, task: Task, clock=time.monotonic, sleep=time.sleep):
@@ -321,7 +323,7 @@ class Coordinator:
     def round(self, grid, t: int) -> dict:
         """Round ``t``; returns its log entry."""
         args = self.deployment.args
-        start = self.clock()
+        start, started = self.clock(), time.time()
         problems, self.carried = self.carried, []
         self.answered.clear()
         lr = args.learning_rate
@@ -332,13 +334,15 @@ class Coordinator:
         plan_ids = self._push(grid, outgoing, problems, t)
         self._push(grid, self.queries(connected, t), problems, t)  # not waited on
         deadline = start + self.deployment.round_timeout
-        replies = []
+        replies, poll = [], FIRST_POLL
         while True:
             replies += self._take_queries(grid, connected, problems, t)
             waiting = [i for i in plan_ids if i in self.pending]
             if not waiting or self.clock() >= deadline:
                 break
-            self.sleep(min(POLL, max(deadline - self.clock(), 0.0)))
+            self.sleep(min(poll, max(deadline - self.clock(), 0.0)))
+            poll = min(2 * poll, POLL)
+        replied = self.clock()
         for message_id in waiting:
             sent = self.pending.pop(message_id)
             self.problem(problems, t, sent.node, sent.client,
@@ -370,9 +374,13 @@ class Coordinator:
             "missed": len(waiting), "catch_up": catch_up, "nonfinite": downlink.nonfinite,
             "skipped": downlink.skipped, "loss": downlink.loss, "seconds": round(self.clock() - start, 3),
             "problems": problems,
+            "timing": {"started": started, "replies": round(replied - start, 3),
+                       "aggregate": round(self.clock() - replied, 3)},
         }
         every = self.deployment.eval_every
         if every and (t + 1) % every == 0 and self.task.eval_dataset is not None:
+            from .evaluation import evaluate_model  # scikit-learn's metric: imported by a run that evaluates
+
             entry.update(evaluate_model(self.replica.model, self.task.eval_dataset, self.task.data_collator,
                                         args.per_device_eval_batch_size))
         self.rounds_log.append(entry)

@@ -2,22 +2,30 @@
 
 It applies ledger rounds with the library's one update path (``ledger.apply_round``: the ``ZOOptimizer`` step that
 replay uses), so ``start weights + rounds 0..k-1`` gives the same bits everywhere, and keeps ``applied = k``.
-Between a node's messages (each runs in a fresh ClientApp process) its weights and ``applied`` live in the node's
-Flower ``Context.state``, which never leaves the node.
+Between a node's messages (each runs in a fresh ClientApp process) its weights live in the node's store (a
+safetensors file on the node's disk, :class:`~zo_byzantine.flower.store.NodeStore`), and only ``applied`` and the
+start fingerprint in its Flower ``Context.state`` (a small record: what SuperNode and ClientApp exchange per message
+does not grow with the model).
 """
 
 from __future__ import annotations
 
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from typing import TYPE_CHECKING
 
-from ..arguments import ZOByzantineArguments
+import torch
+from flwr.app import ConfigRecord, RecordDict
+
 from ..directions import build_directions
 from ..ledger import LedgerError, apply_round, weights_fingerprint
 from ..optim import ZOOptimizer
 from ..perturbation import ParameterTable
 
-WEIGHTS, PROGRESS = "zo_weights", "zo_progress"
+if TYPE_CHECKING:
+    from ..arguments import ZOByzantineArguments
+    from .store import NodeStore
+
+PROGRESS = "zo_progress"  # the Context record: {"applied", "start"}; the weights are in the node's store
+LEGACY_WEIGHTS = "zo_weights"  # where weights were kept before the store (an ArrayRecord): removed when found
 
 
 class Replica:
@@ -51,25 +59,39 @@ class Replica:
             apply_round(self.optimizer, entry)
             self.applied += 1
 
-    def save(self, state: RecordDict) -> None:
-        """Keep the weights (exact bytes) and ``applied`` in a node's ``Context.state``."""
-        state[WEIGHTS] = ArrayRecord({name: p.detach().cpu() for name, p in zip(self.table.names, self.table.params,
-                                                                                   strict=True)})
+    def save(self, state: RecordDict, store: NodeStore) -> None:
+        """Keep the weights (exact bytes) in ``store`` (once per number of applied rounds: the same rounds from the
+        same start give the same bits) and ``applied`` in the node's ``Context.state``."""
+        if not store.has_weights(self.start, self.applied):
+            store.save_weights(self.start, self.applied, dict(zip(self.table.names, self.table.params, strict=True)))
         state[PROGRESS] = ConfigRecord({"applied": self.applied, "start": self.start})
+        if LEGACY_WEIGHTS in state:
+            del state[LEGACY_WEIGHTS]
 
-    def load(self, state: RecordDict) -> bool:
-        """Restore what :meth:`save` kept, if it is there and for these start weights; returns whether it was."""
-        if WEIGHTS not in state or PROGRESS not in state or state[PROGRESS].get("start") != self.start:
+    def load(self, state: RecordDict, store: NodeStore) -> bool:
+        """Restore what :meth:`save` kept, if both the record and the weights file are there for these start
+        weights; returns whether they were (if not: ``applied`` stays 0, and the node asks for the ledger)."""
+        progress = state.get(PROGRESS)
+        if not isinstance(progress, ConfigRecord) or progress.get("start") != self.start:
             return False
-        kept = state[WEIGHTS].to_torch_state_dict()
+        applied = progress.get("applied")
+        if type(applied) is not int or applied < 0:
+            return False
+        kept = store.load_weights(self.start, applied, self.table.names)
+        if kept is None:
+            return False
         with torch.no_grad():
             for name, param in zip(self.table.names, self.table.params, strict=True):
+                if kept[name].shape != param.shape or kept[name].dtype != param.dtype:
+                    return False
+            for name, param in zip(self.table.names, self.table.params, strict=True):
                 param.copy_(kept[name])
-        self.applied = int(state[PROGRESS]["applied"])
+        self.applied = applied
         return True
 
-    def reset(self, state: RecordDict) -> None:
+    def reset(self, state: RecordDict, store: NodeStore) -> None:
         """Forget the kept state (a node out of sync starts over from the start weights at its next plan)."""
-        for key in (WEIGHTS, PROGRESS):
+        for key in (PROGRESS, LEGACY_WEIGHTS):
             if key in state:
                 del state[key]
+        store.remove_weights()
