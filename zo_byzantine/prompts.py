@@ -3,9 +3,9 @@
 Masked LM: ``*cls**sent_0*_It_was*mask*.*sep+*`` -> class logits = LM logits at ``<mask>``
 restricted to the label words. Causal LM: ``"{text_a} It was"`` -> class logits = next-token
 logits after the prompt restricted to the (single-token) options, i.e. the options'
-log-likelihoods up to a shared constant (MeZO's ``train_as_classification``). Either way the
-loss is the cross-entropy over the label words, and the model returns ``logits`` of shape
-``[batch, num_labels]``, so ``Trainer.evaluate``/``predict`` and ``compute_metrics`` work unchanged.
+log-likelihoods up to a shared constant (MeZO's ``train_as_classification``). The model returns
+``logits`` of shape ``[batch, num_labels]``, so ``Trainer.evaluate``/``predict`` and
+``compute_metrics`` work unchanged; the loss the rounds minimise is :class:`PromptModel`'s ``loss``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from .tasks import TaskSpec
 
 KINDS = ("masked_lm", "causal_lm")
+LOSSES = ("label_words", "vocabulary")
 _SENT = re.compile(r"^(\+)?sent(l)?(-)?_(\d)$")
 
 
@@ -107,18 +108,36 @@ def _split(lm: nn.Module):
 class PromptModel(nn.Module):
     """Wraps an ``AutoModelForMaskedLM`` / ``AutoModelForCausalLM``; returns class logits over label words.
 
-    Only the hidden state at the scored position goes through the LM head (one position per example).
+    Only the hidden state at the scored position goes through the LM head (one position per example; the rest of the
+    sequence never meets the head: SmolLM2's tied head is 49,152 x 576, ~20 % of a forward over every position). A
+    model that is not ``base_model`` + one head module runs whole and its logits are read at that position.
+
+    ``loss``: what the rounds minimise, per example, at the scored position.
+
+    - ``"label_words"`` (default): cross-entropy over the label words' logits, ``logsumexp_c x_c - x_y``. This is
+      what the task's accuracy reads (the argmax over the label words), and what MeZO (``train_as_classification``,
+      its setting for SST-2, RTE, CB, BoolQ with OPT) and DeComFL's ``last_token`` loss train: for one-token options the
+      cross-entropy over their log-likelihoods is this one, the shared log-normaliser cancelling. Mass the model puts
+      on other tokens costs nothing, so the few examples a client holds pull only on the decision they are scored by.
+    - ``"vocabulary"``: the LM's cross-entropy of the label word over the whole vocabulary (teacher forcing of the
+      one-token answer: MeZO with ``train_as_classification False``, its setting for generation tasks). It also
+      raises the label words against every other token, which helps a model that will generate its answer; it adds
+      ``log sum_v exp x_v`` to the objective, a term that accuracy never sees. Returned per example (``[batch]``).
     """
 
     _keys_to_ignore_on_save = None  # read by Trainer after loading a checkpoint (tied weights are stored once)
 
-    def __init__(self, lm: nn.Module, label_ids: list[int], kind: str, mask_token_id: int | None = None):
+    def __init__(self, lm: nn.Module, label_ids: list[int], kind: str, mask_token_id: int | None = None,
+                 loss: str = "label_words"):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not supported; accepted: {', '.join(KINDS)}.")
+        if loss not in LOSSES:
+            raise ValueError(f"PromptModel loss={loss!r} is not supported; accepted: {', '.join(LOSSES)} "
+                             "(cross-entropy over the label words, or over the whole vocabulary).")
         if kind == "masked_lm" and mask_token_id is None:
             raise ValueError("A masked-LM prompt model needs mask_token_id.")
-        self.lm, self.kind, self.mask_token_id = lm, kind, mask_token_id
+        self.lm, self.kind, self.mask_token_id, self.loss = lm, kind, mask_token_id, loss
         self.register_buffer("label_ids", torch.tensor(label_ids), persistent=False)
         self.num_labels = len(label_ids)
         self.config = getattr(lm, "config", None)
@@ -145,5 +164,10 @@ class PromptModel(nn.Module):
         else:
             vocab_logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[rows, at]
         logits = vocab_logits[:, self.label_ids]
-        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        if labels is None:
+            loss = None
+        elif self.loss == "label_words":
+            loss = F.cross_entropy(logits.float(), labels)
+        else:  # per example: the batch mean of a vocabulary loss is not what the logits returned can reproduce
+            loss = F.cross_entropy(vocab_logits.float(), self.label_ids[labels], reduction="none")
         return SequenceClassifierOutput(loss=loss, logits=logits)
