@@ -201,3 +201,32 @@ def test_rounding_to_nearest_warns_once_when_the_step_rounds_away(tmp_path, capl
             make_trainer(model, dataset, tmp_path / rounding_, collate(tokenizer), max_steps=2, learning_rate=lr,
                          update_rounding=rounding_).train()
         assert not [r for r in caplog.records if "rounds away" in r.getMessage()]
+
+
+def test_an_offloaded_bf16_model_is_updated_where_it_lives_with_the_same_bits(tmp_path):
+    """The streamed homes (store file, CPU memory) get the same stochastically rounded weights as a model in memory,
+    and the store file holds them."""
+    import os
+
+    from test_offload import PARTIAL, save_llama
+    from transformers import AutoModelForCausalLM
+
+    folder = save_llama(tmp_path / "llama")
+    memory = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    offloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=PARTIAL,
+                                                     offload_folder=str(tmp_path / "offload"))
+    table_m, table_o = ParameterTable(memory), ParameterTable(offloaded)
+    stream = table_o.stream
+    streamed = [j for j, p in table_o if stream.holds(p)]
+    assert streamed
+    start = [p.detach().clone() for p in table_o.params]
+    for terms in _updates(3):
+        apply_update(table_m, terms, 1e-4, {streamed[0]: 0.1})
+        apply_update(table_o, terms, 1e-4, {streamed[0]: 0.1})
+    for j in range(len(table_m)):
+        assert torch.equal(table_m.params[j].view(torch.int16), table_o.params[j].view(torch.int16)), table_m.names[j]
+    j = streamed[-1]
+    assert not torch.equal(table_o.params[j], start[j])
+    entry = stream.entries[id(table_o.params[j])]
+    raw = torch.frombuffer(bytearray(os.pread(stream.fd, entry.nbytes, entry.offset)), dtype=torch.bfloat16)
+    assert torch.equal(raw.view_as(table_m.params[j]).view(torch.int16), table_m.params[j].view(torch.int16))
