@@ -62,7 +62,7 @@ def _wait_for_rounds(out, count: int, deadline: float, deployment) -> list[dict]
     return log
 
 
-@pytest.mark.skipif(not os.environ.get("ZO_FLOWER_FAULTS"), reason="3 min 22 s on 2 cores: set ZO_FLOWER_FAULTS=1")
+@pytest.mark.skipif(not os.environ.get("ZO_FLOWER_FAULTS"), reason="minutes on 2 cores: set ZO_FLOWER_FAULTS=1")
 def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
     """SIGKILL one SuperNode after round 0: the run goes on (its round aggregates the replies received: Flower
     answers for the dead node with an error reply once its heartbeats stop, or the deadline passes); a new SuperNode
@@ -71,9 +71,11 @@ def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
     weights' SHA-256 fingerprint equals the server's replica (bitwise the same weights; a node that differs
     refuses)."""
     out = tmp_path / "server_out"
-    config = run_config(rounds=5, num_byzantine=0, aggregator="mean",
+    # 8 rounds: the restarted SuperNode's start and its registration query take tens of seconds on a loaded machine,
+    # while a round of the others takes a few; it must be back with rounds to spare
+    config = run_config(rounds=8, num_byzantine=0, aggregator="mean",
                         **{"output-dir": str(out), "round-timeout": 60.0})
-    deadline = time.monotonic() + 420
+    deadline = time.monotonic() + 600
     with LocalDeployment(tmp_path) as deployment:
         deployment.start_superlink()
         for i in range(3):
@@ -83,7 +85,7 @@ def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
         deployment.stop_process("node2", grace=0.1)  # SIGTERM, then SIGKILL of its whole process group
         _wait_for_rounds(out, 2, deadline, deployment)
         deployment.start_supernode("node2-restarted", {"partition-id": 2, "num-partitions": 3})
-        log = _wait_for_rounds(out, 5, deadline, deployment)
+        log = _wait_for_rounds(out, 8, deadline, deployment)
     summary = [(r["round"], r["accepted"], r["catch_up"], r["problems"]) for r in log]
     print("killed and restarted node:", summary)
     assert log[0]["accepted"] == [0, 1, 2] and log[1]["accepted"] == [0, 1], summary  # the run went on without it

@@ -102,6 +102,42 @@ def test_a_reply_from_another_node_than_the_plans_is_rejected_and_recorded():
     assert "reply rejected: a reply to node 102's train message from another node" in _reasons(coord, 101)
 
 
+def test_a_reply_from_another_node_pulled_again_is_recorded_once():
+    """The same foreign reply returned by every pull (as a SuperLink keeps returning a reply until it is taken) is
+    one problem, not one per pull."""
+    config = run_config(rounds=1, num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean")
+
+    def other_node(reply, message, t):
+        reply.metadata.__dict__["_src_node_id"] = 101
+        return [reply] * 5
+
+    grid = LoopbackGrid(config, nodes(4), tamper=_hostile(102, other_node))
+    coord = coordinator(config, grid)
+    coord.run(grid)
+    assert _reasons(coord, 101) == ["reply rejected: a reply to node 102's train message from another node"]
+
+
+def test_the_superlinks_error_reply_for_a_gone_node_is_that_nodes_error():
+    """A node that died: the SuperLink answers its plan with an error reply from the SuperLink's own node id (1).
+    It is taken as that node's error reply (the client misses the round, one problem), not as a foreign reply
+    recorded at every pull until the deadline."""
+    config = run_config(rounds=2, num_clients=4, clients_per_round=4, num_byzantine=0, aggregator="mean")
+
+    def gone(reply, message, t):
+        if t != 0:
+            return None
+        error = Message(Error(code=0, reason="node unavailable"), reply_to=message)
+        error.metadata.__dict__["_src_node_id"] = 1
+        return [error]
+
+    grid = LoopbackGrid(config, nodes(4), tamper=_hostile(102, gone))
+    coord = coordinator(config, grid)
+    coord.run(grid)
+    assert [r["accepted"] for r in coord.rounds_log] == [[0, 1, 3], [0, 1, 2, 3]]
+    assert _reasons(coord) == ["reply rejected: error reply: node unavailable"]
+    assert coord.rounds_log[0]["missed"] == 0
+
+
 # ----- 2. registration delays no round; a refused claimant is not asked every round ---------------------------
 
 

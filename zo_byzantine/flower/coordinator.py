@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID as SUPERLINK_NODE
 
 from ..aggregators import build_aggregator
 from ..checkpoints import protocol_of
@@ -120,6 +121,7 @@ class Coordinator:
         self.applied: dict[int, int] = {}  # node id -> ledger rounds it last said it has applied
         self.pending: dict[str, Sent] = {}  # message id -> the message, while its reply is outstanding
         self.answered: dict[str, Sent] = {}  # message id -> the message, answered in this round (or at startup)
+        self.foreign: set[tuple[str, int]] = set()  # (message id, node) of replies from another node (this round)
         self.refusals: dict[int, tuple[int, float]] = {}  # node id -> (refusals, round it may be queried again)
         self.rounds_log: list[dict] = []
         self.carried: list[dict] = []  # problems met before round 0 (registration), recorded with round 0
@@ -158,9 +160,14 @@ class Coordinator:
         for reply in grid.pull_messages(list(self.pending)):
             answers = reply.metadata.reply_to_message_id
             sent = self.pending.get(answers)
-            if sent is not None and reply.metadata.src_node_id != sent.node:  # the SuperLink's check, made here too
-                self.problem(problems, t, reply.metadata.src_node_id, sent.client,
-                             f"{REJECTED}: a reply to node {sent.node}'s {sent.kind} message from another node")
+            source = reply.metadata.src_node_id
+            # the SuperLink's check, made here too; the SuperLink itself answers (an error, from its own node id) for
+            # a node that is gone, and no SuperNode can send as the SuperLink
+            if sent is not None and source != sent.node and not (source == SUPERLINK_NODE and reply.has_error()):
+                if (answers, source) not in self.foreign:  # a reply pulled again is recorded once
+                    self.foreign.add((answers, source))
+                    self.problem(problems, t, source, sent.client,
+                                 f"{REJECTED}: a reply to node {sent.node}'s {sent.kind} message from another node")
                 continue
             sent = self.pending.pop(answers, None)
             if sent is not None:
@@ -326,6 +333,7 @@ class Coordinator:
         start, started = self.clock(), time.time()
         problems, self.carried = self.carried, []
         self.answered.clear()
+        self.foreign.clear()
         lr = args.learning_rate
         local_lr = args.local_learning_rate if args.local_learning_rate is not None else lr
         plan = self.server.plan(t, self.sampler.participants(t), local_lr)
