@@ -87,14 +87,14 @@ def client_app() -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         marks = {"started": time.time()}
+        from .node import answer  # the node's modules: imported by the messages that need them (not by a query)
+
+        marks["imported"] = time.time()
         store = NodeStore.of(context.node_config, context.node_id, context.run_id)
         deployment = node_deployment(context.run_config, store)
         node = read_node_config(context.node_config, deployment.args.num_clients)
         task = build_task(deployment, context.run_config)
         marks["task_built"] = time.time()
-        # local import: the node's modules (torch's share of a ClientApp) are imported by the messages that need them
-        from .node import answer
-
         reply = answer(msg.content, context.state, deployment, task, node, store, marks)
         if os.environ.get(TIMINGS_ENV) == "1":
             record_timings(store, marks, msg, reply, context)

@@ -81,8 +81,6 @@ def round_batch(deployment: Deployment, task: Task, client: int, round_index: in
                 store: NodeStore) -> tuple[dict, int]:
     """Client ``client``'s examples of round ``t`` (the simulation's stream: same partition, same order), collated,
     and its partition size."""
-    from transformers import default_data_collator  # transformers itself only (a fraction of a second)
-
     args = deployment.args
     federation = node_federation(args, task.train_dataset, store)
     participants = [int(c) for c in federation.participants(round_index)]
@@ -90,6 +88,8 @@ def round_batch(deployment: Deployment, task: Task, client: int, round_index: in
         raise PlanRefused(f"client {client} is not a participant of round {round_index} under this run's sampling.")
     position = participants.index(client)
     indices = federation.round_indices(round_index, slice(position, position + 1))
+    if task.data_collator is None:  # the Trainer's default: transformers' data collator (not its Trainer)
+        from transformers import default_data_collator
     collator = task.data_collator or default_data_collator
     return collator([task.train_dataset[i] for i in indices]), len(federation.partitions[client])
 
