@@ -157,7 +157,8 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
     per_round: dict[str, list[float]] = {step: [] for step in (*STEPS, "round")}
     for entry in rounds_log[1:]:
         marks = [m for m in timings if m["round"] == entry["round"] and "computed" in m and m.get("process")]
-        if not marks:
+        per_round["round"].append(entry["seconds"])
+        if not marks or "timing" not in entry:  # a version without the nodes' timings: the round's seconds only
             continue
         started = entry["timing"]["started"]
         mean = statistics.fmean
@@ -169,7 +170,6 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
             "compute": mean(m["computed"] - m["caught_up"] for m in marks),
             "reply+pull": started + entry["timing"]["replies"] - max(m["computed"] for m in marks),
             "aggregation": entry["timing"]["aggregate"],
-            "round": entry["seconds"],
         }
         for step, value in values.items():
             per_round[step].append(value)
