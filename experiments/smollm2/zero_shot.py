@@ -24,21 +24,32 @@ from zo_byzantine.tasks import load_local_split, load_task
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "..", "..", "shared", "data")
 
-# per task: candidate name -> (causal template, causal label words by label), beside "spec", tasks/<task>.json's own
+# per task: candidate name -> (causal template, causal label words by label), beside "spec", tasks/<task>.json's own;
+# "(before #49)" is the template the task files had before this comparison chose the best one
 CANDIDATES = {
     "sst2": {
-        "review/sentiment": ("Review: {text_a}\nSentiment:", {"negative": " negative", "positive": " positive"}),
+        "it was (before #49)": ("{text_a} It was", {"negative": " terrible", "positive": " great"}),
         "review/great": ("Review: {text_a}\nThe review is", {"negative": " bad", "positive": " good"}),
     },
     "rte": {
-        "question/answer": ("{text_a}\nQuestion: {text_b} True or False?\nAnswer:",
-                            {"entailment": " True", "not_entailment": " False"}),
+        "does this mean (before #49)": ("{text_a}\nDoes this mean that \"{text_b}\" is true? Yes or No?\n",
+                                        {"entailment": "Yes", "not_entailment": "No"}),
         "premise/hypothesis": ("Premise: {text_a}\nHypothesis: {text_b}\nDoes the premise entail the hypothesis? "
                                "Answer:", {"entailment": " yes", "not_entailment": " no"}),
     },
-    "trec": {},
-    "snli": {},
-    "mnli": {},
+    "trec": {
+        "answer is a (before #49)": ("{text_a} The answer to this question is a",
+                                     {"DESC": " Description", "ENTY": " Entity", "ABBR": " Expression",
+                                      "HUM": " Human", "LOC": " Location", "NUM": " Number"}),
+    },
+    "snli": {
+        "premise/hypothesis": ("Premise: {text_a}\nHypothesis: {text_b}\nDoes the premise entail the hypothesis? "
+                               "Answer:", {"entailment": " yes", "neutral": " maybe", "contradiction": " no"}),
+    },
+    "mnli": {
+        "premise/hypothesis": ("Premise: {text_a}\nHypothesis: {text_b}\nDoes the premise entail the hypothesis? "
+                               "Answer:", {"entailment": " yes", "neutral": " maybe", "contradiction": " no"}),
+    },
 }
 
 
