@@ -69,6 +69,16 @@ def test_the_same_key_gives_the_same_bits_whatever_the_chunking(monkeypatch):
     assert torch.equal(strided.contiguous().view(torch.int16), first.view(torch.int16))
 
 
+def test_the_rounding_bits_are_the_counter_words_16_bits_at_a_time():
+    from zo_byzantine.counter import mix
+
+    key, start = 0x1234_5678_9ABC, 4096
+    bits = rounding.uniform_bits(key, start, 1001, "cpu")
+    for k in (0, 1, 2, 3, 4, 517, 1000):
+        word = int(mix(key, torch.tensor([(start + k) // 4]))) % 2**64  # as an unsigned 64-bit integer
+        assert int(bits[k]) == (word >> (16 * ((start + k) % 4))) & 0xFFFF
+
+
 def test_the_rounding_key_is_the_update_s_seeds_and_salt():
     terms = [(direction_seed(0, 1, 0, 0), 2.0), (direction_seed(0, 1, 0, 1), -1.0)]
     assert rounding_key(terms) == rounding_key([(s, 5.0) for s, _ in terms])  # seeds, not coefficients
