@@ -797,3 +797,6 @@ def build_aggregator(rule, pre_aggregators: Sequence = (), **kwargs) -> Chain:
     if isinstance(rule, str):
         rule = AGGREGATORS.build(rule, "aggregator_kwargs", **kwargs)
     return Chain(steps, rule)
+
+
+from . import history  # noqa: E402, F401  registers "history", the rule with per-client state (below the rules it wraps)

@@ -56,8 +56,20 @@ def aggregate_candidates(rule, honest: torch.Tensor, candidates: torch.Tensor, k
     """``rule``'s output for each candidate ``c`` (``C x d``) when all ``k`` Byzantine clients send ``c`` beside
     the honest vectors (``C x d``): what an omniscient attacker's search evaluates
     (``rule.aggregate_repeated``). The sets are ordered honest first (the context's Byzantine mask does not
-    describe them, so it is dropped)."""
-    return rule.aggregate_repeated(honest, candidates, k, RoundContext(ctx.key, len(honest) + k, ctx.num_byzantine))
+    describe them, so it is dropped; the rows' client ids follow them, honest first, and a stateful rule's state is
+    kept: the attacker knows it)."""
+    return rule.aggregate_repeated(honest, candidates, k, search_context(ctx, len(honest), k))
+
+
+def search_context(ctx: RoundContext, h: int, k: int) -> RoundContext:
+    """The context of the sets an attacker evaluates: ``h`` honest rows then ``k`` Byzantine ones, no mask; the client
+    ids reordered the same way (where the round's are known) and the rule's state as the round's."""
+    clients = None
+    if ctx.clients is not None and ctx.byzantine is not None and len(ctx.clients) == h + k:
+        mask = ctx.byzantine.tolist()
+        clients = tuple(c for c, b in zip(ctx.clients, mask, strict=True) if not b) + \
+            tuple(c for c, b in zip(ctx.clients, mask, strict=True) if b)
+    return RoundContext(ctx.key, h + k, ctx.num_byzantine, clients=clients, state=ctx.state)
 
 
 class OmegaAttack(Attack):
@@ -267,6 +279,89 @@ class FangKrum(Attack):
         index = int(chosen[0]) if len(chosen) else len(lambdas) - 1
         diagnostics = {"lambda": lambdas[index], "crafted_selected": int(len(chosen) > 0)}
         return AttackOutput(self.repeat(crafted[index], own), diagnostics)
+
+
+@register_attack("adaptive")
+class Adaptive(Attack):
+    """An adaptive attacker against a rule that keeps per-client state (``history.py``; issue 46): omniscient, it
+    knows the honest vectors, the rule and the rule's state before the round (``ctx.state``), and evaluates what the
+    server would compute, and every client's score after the round, for each choice it has. Its choices: mimic
+    (send an honest vector ``v_j``, the one that leaves its clients' lowest score highest: honest in sign, scale and
+    noise) or strike with ``v_j + omega a``, ``a = -hbar`` (FOE-like: pulls the aggregate against the honest mean)
+    or the honest ``sigma`` (ALIE-like), ``omega`` from ``candidates`` (``strike`` names which).
+
+    ``mode="greedy"`` strikes every round with the most damaging choice that keeps every Byzantine client's score at
+    least ``margin`` above the rule's exclusion floor after the round (kept: its strike counts), else mimics;
+    ``mode="full"`` (mimic then strike) strikes only with the most damaging choice of all, when that keeps the scores
+    above the floor, and mimics otherwise (the scores recover). Damage: ``||R - hbar||`` (``objective="norm"``, as
+    ALIE and FOE choose omega) or the progress taken away along the honest mean, ``<hbar - R, hbar> / ||hbar||``
+    (``objective="against"``). Against a stateless pipeline it strikes every round (no score to keep).
+    Diagnostics: ``struck`` (1 in a round it strikes; summed in the logs) and ``omega``.
+    """
+
+    def __init__(self, strike: str = "both", candidates=tuple(float(w) for w in range(0, 11)), margin: float = 0.05,
+                 mode: str = "greedy", objective: str = "norm"):
+        for name, value, accepted in (("strike", strike, ("foe", "alie", "both")), ("mode", mode, ("greedy", "full")),
+                                      ("objective", objective, ("norm", "against"))):
+            if value not in accepted:
+                raise ValueError(f"adaptive: {name}={value!r} is not supported; accepted: {', '.join(accepted)}.")
+        if not isinstance(candidates, list | tuple) or not candidates or \
+                not all(is_number(c) and math.isfinite(c) for c in candidates):
+            raise ValueError(f"adaptive: candidates={candidates!r}: a non-empty list of finite numbers (omega).")
+        self.strike, self.mode, self.objective = strike, mode, objective
+        self.candidates = [float(c) for c in candidates]
+        self.margin = check_real("adaptive: margin", margin, 0.0)
+
+    def strikes(self, honest: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """``base + omega a`` for every strike direction and omega, with their omegas."""
+        hbar = honest.mean(dim=0)
+        directions = []
+        if self.strike in ("foe", "both"):
+            directions.append(-hbar)
+        if self.strike in ("alie", "both"):
+            directions.append(honest.std(dim=0) if len(honest) > 1 else torch.zeros_like(hbar))
+        rows, omegas = [], []
+        for a in directions:
+            rows += [base + w * a for w in self.candidates]
+            omegas += self.candidates
+        return torch.stack(rows), omegas
+
+    def damage(self, outputs: torch.Tensor, hbar: torch.Tensor) -> torch.Tensor:
+        if self.objective == "norm":
+            return (outputs - hbar).norm(dim=1).nan_to_num(nan=-math.inf)
+        size = hbar.norm().clamp_min(torch.finfo(hbar.dtype).tiny)
+        return (((hbar - outputs) @ hbar) / size).nan_to_num(nan=-math.inf)
+
+    def __call__(self, honest, own, rule, ctx):
+        hbar, k = honest.mean(dim=0), len(own)
+        history = getattr(rule, "rule", None)
+        search = search_context(ctx, len(honest), k)
+        if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
+            rows, omegas = self.strikes(honest, hbar)
+            best = int(self.damage(aggregate_candidates(rule, honest, rows, k, ctx), hbar).argmax())
+            return AttackOutput(self.repeat(rows[best], own), {"omega": omegas[best], "struck": 1})
+        mine = search.clients[len(honest):]
+
+        def outcome(row):
+            """The aggregate, and the margin of the Byzantine clients' lowest score above the floor after the round."""
+            out = rule(torch.cat([honest, row.expand(k, -1)]), search)
+            scores = [out.update.state[c][0] for c in search.clients]
+            return out.value, min(out.update.state[c][0] for c in mine) - history.floor(scores)
+
+        mimics = [outcome(v)[1] for v in honest]
+        base = honest[max(range(len(honest)), key=lambda j: (mimics[j], -j))]
+        rows, omegas = self.strikes(honest, base)
+        results = [outcome(row) for row in rows]
+        damage = self.damage(torch.stack([value for value, _ in results]), hbar)
+        allowed = torch.tensor([room >= self.margin for _, room in results])
+        if self.mode == "full":
+            strongest = int(damage.argmax())
+            choice = strongest if bool(allowed[strongest]) else None
+        else:
+            choice = int(damage.masked_fill(~allowed, -math.inf).argmax()) if bool(allowed.any()) else None
+        if choice is None:
+            return AttackOutput(self.repeat(base, own), {"struck": 0, "omega": 0.0})
+        return AttackOutput(self.repeat(rows[choice], own), {"struck": 1, "omega": omegas[choice]})
 
 
 @register_attack("gaussian")

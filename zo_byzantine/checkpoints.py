@@ -253,13 +253,15 @@ def resume_ledger(trainer, checkpoint: str) -> list[float]:
     """Continue the trainer's ledger from ``checkpoint``'s (the run's start fingerprint and rounds ``0 .. t-1``), once
     the checkpoint's weights and trainer state are loaded; returns the losses of the rounds done. A checkpoint without
     a ledger, whose ledger has other settings, was saved with other weights than the checkpoint's or disagrees with
-    its trainer state on the round, is refused: the final ledger could not replay the run."""
+    its trainer state on the round, is refused: the final ledger could not replay the run. A stateful rule's state
+    (``history.py``) is rebuilt from the ledger's records: the checkpoint keeps it in its ledger."""
     _require_ledger(checkpoint)
     ledger, step = trainer.ledger, trainer.state.global_step
     ledger.continue_from(Ledger.read(checkpoint), weights=trainer.table, source=f"checkpoint {checkpoint!r}'s ledger")
     if len(ledger.rounds) != step:
         raise LedgerError(f"Checkpoint {checkpoint!r}: its ledger holds {len(ledger.rounds)} rounds, its trainer state "
                           f"{step}: the ledger belongs to another checkpoint.")
+    trainer.server.restore_history(ledger.rounds)  # a stateful rule's per-client state, rebuilt from the ledger
     return [r["loss"] for r in ledger.rounds if r.get("loss") is not None]
 
 

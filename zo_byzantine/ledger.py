@@ -28,6 +28,9 @@ File format (version 3), one JSON object::
                   whose reports entered the round; ``skipped``: why the round was not applied. ``loss`` and
                   ``participants`` are optional (files written before them still read and replay); when present,
                   they are type-checked and, like every field, covered by the digest.
+                  ``history`` (optional, rounds of a stateful rule only, ``history.py``): per uplink, one finite number
+                  per participant (the agreements the rule folded into its per-client state), so that a resumed run
+                  and a replay rebuild the state bitwise; files of stateless rules have none, as before.
     hmac          optional: HMAC-SHA256 (hex) with a secret key, over the canonical JSON of every other
                   field except ``digest``
     digest        SHA-256 (hex) of the canonical JSON (sorted keys, no spaces, ASCII) of every other field
@@ -105,7 +108,7 @@ _KEYS = {
     3: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "protocol", "end_fingerprint",
          "rounds", "digest"}, {"hmac", "generator"}),
 }
-_ROUND_KEYS = ({"round", "lr", "seeds", "coefficients"}, {"loss", "participants", "skipped", "dense"})
+_ROUND_KEYS = ({"round", "lr", "seeds", "coefficients"}, {"loss", "participants", "skipped", "dense", "history"})
 CLIENT_LIMIT = 1 << 63  # client ids are in [0, 2^63)
 INDENT = 2  # the file's layout: nested containers indented by 2 spaces, ...
 WIDTH = 100  # ... kept on one line when they fit in 100 columns
@@ -210,6 +213,8 @@ def _check_round(entry, path: str, index: int) -> None:
             _int(client, f"{path}.participants[{i}]", 0, CLIENT_LIMIT)
         if len(set(participants)) != len(participants):
             raise LedgerError(f"{path}.participants: a client is listed twice in {_describe(participants)}")
+    if "history" in entry:
+        _check_history(entry, path)
     seeds, coefficients = entry["seeds"], entry["coefficients"]
     _list(seeds, f"{path}.seeds")
     for i, key in enumerate(seeds):
@@ -222,6 +227,21 @@ def _check_round(entry, path: str, index: int) -> None:
         _finite(c, f"{path}.coefficients[{i}]")
     if len(coefficients) != len(seeds):
         raise LedgerError(f"{path}: {len(coefficients)} coefficients for {len(seeds)} seed tuples")
+
+
+def _check_history(entry: dict, path: str) -> None:
+    """``history``: a stateful rule's record, one list per uplink of one finite number per participant."""
+    history = entry["history"]
+    _list(history, f"{path}.history")
+    if "participants" not in entry or entry.get("skipped"):
+        raise LedgerError(f"{path}.history: recorded only with the participants of an applied round")
+    for u, record in enumerate(history):
+        _list(record, f"{path}.history[{u}]")
+        if len(record) != len(entry["participants"]):
+            count = len(entry["participants"])
+            raise LedgerError(f"{path}.history[{u}]: {len(record)} numbers for {count} participants")
+        for i, value in enumerate(record):
+            _finite(value, f"{path}.history[{u}][{i}]")
 
 
 def check_round(entry, index: int) -> None:
@@ -657,12 +677,14 @@ class Ledger:
         dense: bool = False,
         loss: float | None = None,
         participants=None,
+        history=None,
     ):
         """One round: its seed tuples and coefficients ``R``, or why it was skipped, or that it was dense.
 
         ``loss``: the round's mean honest loss, NaN when it was not computed (written as null; so is any other
         non-finite value); ``participants``: the ids of the clients whose reports entered the round. Either,
-        left None, is not recorded.
+        left None, is not recorded; ``history``: a stateful rule's record per uplink (one number per participant),
+        from which the rule's state is rebuilt (``Server.restore_history``); absent for stateless rules.
 
         Rounds are contiguous from 0: ``round_index`` is the next round, or an earlier one, which is then
         recorded again and the rounds after it are dropped (a repeated round replaces its entry)."""
@@ -687,6 +709,8 @@ class Ledger:
             entry["skipped"] = str(skipped)
         if dense:
             entry["dense"] = True  # first-order or parameter-space update: not in the span of the directions
+        if history is not None:  # a stateful rule's record (``history.py``): the state is rebuilt from it
+            entry["history"] = [[float(a) for a in record] for record in history]
         try:
             _check_round(entry, f"rounds[{t}]", t)
         except LedgerError as err:
@@ -699,7 +723,7 @@ class Ledger:
         """The round of a :class:`~zo_byzantine.messages.Downlink`, with its honest loss and participants."""
         self.record(downlink.round, downlink.seed_tuples, downlink.coefficients, downlink.lr,
                     skipped=downlink.skipped, dense=downlink.dense is not None, loss=downlink.loss,
-                    participants=downlink.participants)
+                    participants=downlink.participants, history=downlink.history)
 
     def continue_from(self, data: dict, key: bytes | None = None, weights: nn.Module | ParameterTable | None = None,
                       source: str = "the ledger") -> None:

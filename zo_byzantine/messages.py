@@ -98,6 +98,7 @@ class Downlink:
     received: int = 0
     rejected: int = 0
     diagnostics: list[dict] = field(default_factory=list)  # one dict per uplink
+    history: list[list[float]] | None = None  # a stateful rule's record per uplink (one number per participant)
 
     def terms(self) -> list[tuple[int, float]]:
         """``(direction seed, coefficient)`` pairs of the update."""

@@ -6,7 +6,9 @@ emits the downlink (which is also the ledger entry).
         reports checked (sender sampled, one each, round t, exact shape); the round's loss: the honest reports'
         mean (simulation), or without a mask the mean trimmed by f per side (deployment) -> per uplink u:
         vectors V (m x nu) -> [simulation: Byzantine rows <- attack(honest, own, rule, ctx)]
-        -> non-finite values sanitised -> R_u = rule(V, ctx) sized for the m vectors received
+        -> non-finite values sanitised -> R_u = rule(V, ctx) sized for the m vectors received (a stateful rule gets
+           the run's state in ctx.state, keyed by client id, and returns the next; kept only if the round is applied,
+           its record in the downlink and the ledger)
         -> update sum_u sum_r R_u[r] z_{u,r} (shared), sum_i (|D_i|/sum|D|) v_i[r] z_{i,r} (per client),
            or the R^d aggregate (parameter space, first-order)
 
@@ -105,6 +107,20 @@ class Server:
                 "pre_aggregators."
             )
         self.settings, self.rule, self.table, self.attack = settings, rule, table, attack
+        self.history: dict = {}  # a stateful rule's state (keyed by client id), after the last applied round
+
+    def restore_history(self, rounds: list[dict]) -> dict:
+        """Rebuild a stateful rule's state from a ledger's rounds (their ``history`` records, folded in order by the
+        rule): what a resumed run or a replay does, bitwise. Rounds without a record leave it as it is."""
+        state: dict = {}
+        fold = getattr(self.rule.rule, "fold", None)
+        for entry in rounds:
+            for record in entry.get("history") or []:
+                if fold is None:
+                    raise ValueError(f"The ledger records a rule's history but the rule {self.rule.name!r} keeps none.")
+                state = fold(state, entry["participants"], record, entry["round"])
+        self.history = state
+        return state
 
     def plan(self, round_index: int, participants, local_lr: float) -> Plan:
         s, t = self.settings, int(round_index)
@@ -203,12 +219,16 @@ class Server:
                 raise ValueError(f"byzantine: a mask of {len(byzantine)} for {len(plan.participants)} participants.")
             position = {c: i for i, c in enumerate(plan.participants)}
             byzantine = byzantine[[position[r.client] for r in accepted]]
+        state = self.history
         try:
-            self._aggregate(plan, accepted, byzantine, downlink)
+            state = self._aggregate(plan, accepted, byzantine, downlink)
             self._check_overflow(downlink)
         except SkipRound as skip:
             downlink.skipped = str(skip)
             downlink.seed_tuples, downlink.coefficients, downlink.dense = [], [], None
+            downlink.history = None  # a skipped round leaves the state as it was
+        else:
+            self.history = state
         return downlink
 
     def _aggregate(self, plan: Plan, reports: list[Report], byzantine, downlink: Downlink) -> None:
@@ -230,13 +250,16 @@ class Server:
             raise SkipRound(f"{m} reports are too few for the rule: {err}") from err
         dense_space = plan.first_order or s.aggregation_space == "parameter"
         stacked = torch.stack([r.scalars for r in reports])  # m x uplinks x width
-        dense = None
+        dense, state, clients = None, self.history, tuple(r.client for r in reports)
         for u, step in enumerate(plan.uplink_steps):
-            ctx = RoundContext((s.zo_seed, plan.round, u + 1), m, f, byzantine)
+            ctx = RoundContext((s.zo_seed, plan.round, u + 1), m, f, byzantine, clients, state)
             vectors = stacked[:, u]
             if dense_space and not plan.first_order:  # FedZO: the rule runs on the reconstructed R^d estimates
                 vectors = reconstruct(self.table, plan.seeds(step, reports[0].client), vectors)
-            value, sent, diagnostics, nonfinite = self._robust(vectors, ctx)
+            value, sent, diagnostics, nonfinite, update = self._robust(vectors, ctx)
+            if update is not None:  # a stateful rule: its state goes on to the next uplink, its record to the ledger
+                state = update.state
+                downlink.history = [*(downlink.history or []), update.record]
             downlink.nonfinite += nonfinite
             downlink.diagnostics.append(diagnostics)
             if dense_space:
@@ -254,6 +277,7 @@ class Server:
                 downlink.coefficients += value.tolist()
         if dense is not None:
             downlink.dense = unflatten(self.table, dense)
+        return state
 
     def _robust(self, vectors: torch.Tensor, ctx: RoundContext):
         """Attack (simulation), sanitising, rule. Returns the aggregate, the vectors as sent (sanitised),
@@ -275,7 +299,7 @@ class Server:
                 vectors[ctx.byzantine] = sent.to(vectors)
                 diagnostics.update(found)
         vectors, nonfinite = sanitize(vectors)
-        value, found = self.rule(vectors, ctx)
+        value, found, update = self.rule(vectors, ctx)
         if not torch.isfinite(value).all():
             raise SkipRound("non-finite aggregate")
         diagnostics.update(found)
@@ -283,7 +307,7 @@ class Server:
             hbar = honest.mean(dim=0)
             diagnostics["aggregate_shift"] = float((value - hbar).norm())  # ||R - hbar||
             diagnostics["honest_mean_norm"] = float(hbar.norm())
-        return value, vectors, diagnostics, nonfinite
+        return value, vectors, diagnostics, nonfinite, update
 
     def _check_overflow(self, downlink: Downlink) -> None:
         """Guard (``optim.update_fits``): the update and each of its terms stay far inside the weights' dtype.
