@@ -18,7 +18,7 @@ from flwr.common.serde import context_to_proto  # noqa: E402
 from zo_byzantine.flower.config import node_deployment, read_node_config, read_run_config  # noqa: E402
 from zo_byzantine.flower.store import NodeStore, store_root  # noqa: E402
 
-HEAVY = ("transformers", "peft", "datasets", "sklearn", "pandas", "scipy", "evaluate", "sympy")
+HEAVY = ("transformers", "peft", "datasets", "sklearn", "pandas", "scipy", "evaluate", "sympy")  # sympy last
 
 
 def _python(code: str) -> str:
@@ -38,6 +38,38 @@ def test_a_clientapp_imports_no_trainer_datasets_or_peft():
         "import zo_flower_app.client_app, zo_flower_app.task, zo_byzantine.flower.node, zo_byzantine.flower.store\n"
         f"print(json.dumps([bare, [m for m in {HEAVY!r} if m in sys.modules]]))"))
     assert loaded == [[], []]
+
+
+def test_a_vectors_node_answers_a_plan_without_importing_transformers(tmp_path):
+    """A node's later message (settings in its store) on the example's ``vectors`` task: a fresh process answers the
+    plan, and neither transformers nor anything heavier was imported (sympy is: torch imports it with
+    ``torch._dynamo``, on the first ``torch.optim`` optimizer built); the task's collator is transformers' default
+    collator's result on its items."""
+    from transformers import default_data_collator
+    from zo_flower_app.task import stack, vectors
+
+    from zo_byzantine.flower import plan_content
+
+    items = vectors({})
+    items = [items.train_dataset[i] for i in range(5)]
+    ours, theirs = stack(items), default_data_collator(items)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    config = run_config()
+    coord = coordinator(config)
+    plan = coord.server.plan(0, coord.sampler.participants(0), 0.05)
+    content = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
+    node_deployment(config, NodeStore(str(tmp_path)))  # the node's first message checked the run config
+    code = ("import json, sys\nfrom flwr.app import ConfigRecord, RecordDict\n"
+            "from zo_byzantine.flower.apps import client_app\n"
+            "from zo_byzantine.flower.config import build_task, node_deployment, read_node_config\n"
+            "from zo_byzantine.flower.node import answer\nfrom zo_byzantine.flower.store import NodeStore\n"
+            f"config, plan = json.loads({json.dumps(json.dumps([config, dict(content['plan'])]))})\n"
+            f"store = NodeStore({str(tmp_path)!r})\ndeployment = node_deployment(config, store)\n"
+            "node = read_node_config({'partition-id': 0, 'num-partitions': 3}, 3)\n"
+            "reply = answer(RecordDict({'plan': ConfigRecord(plan)}), RecordDict(), deployment,\n"
+            "               build_task(deployment, config), node, store)\n"
+            f"print(json.dumps([reply['report']['client'], [m for m in {HEAVY[:-1]!r} if m in sys.modules]]))")
+    assert json.loads(_python(code)) == [0, []]
 
 
 def test_a_node_checks_the_run_config_once_and_reads_its_settings_back_without_transformers(tmp_path):

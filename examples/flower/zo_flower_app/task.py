@@ -39,6 +39,12 @@ def separable_points(n: int, dim: int, seed: int) -> list[dict]:
     return [{"x": xi, "labels": yi} for xi, yi in zip(x, labels, strict=True)]
 
 
+def stack(items: list[dict]) -> dict:
+    """The batch of ``items`` (dicts of same-shaped tensors): each key's tensors stacked. What transformers'
+    ``default_data_collator`` makes of these items, without importing transformers into a node's every message."""
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
 def vectors(config: dict) -> Task:
     """The ``vectors`` task: a linear classifier (seeded by task-model-seed), its training and held-out sets."""
     dim = int(config.get("task-dim", 8))
@@ -47,7 +53,7 @@ def vectors(config: dict) -> Task:
     seed = int(config.get("task-data-seed", 0))
     data = separable_points(int(config.get("task-examples", 256)), dim, seed)
     held_out = separable_points(int(config.get("task-eval-examples", 256)), dim, seed + 1)
-    return Task(model=model, train_dataset=data, eval_dataset=held_out)
+    return Task(model=model, train_dataset=data, data_collator=stack, eval_dataset=held_out)
 
 
 def _rows(path: str, count: int) -> list[tuple[str, int]]:
