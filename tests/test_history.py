@@ -39,7 +39,9 @@ def _slow_agreements(rows, f, cap):
     size = sum(c * c for c in ref)
     along = [sum(a * c for a, c in zip(r, ref, strict=True)) / size for r in rows]
     dist = [sum((a - c) ** 2 for a, c in zip(r, ref, strict=True)) ** 0.5 for r in rows]
-    return [max(-cap, min(zp, -abs(zd), 0.0)) for zp, zd in zip(_slow_z(along), _slow_z(dist), strict=True)]
+    balance = [sum((a > c) - (a < c) for a, c in zip(r, ref, strict=True)) / nu for r in rows]
+    return [max(-cap, min(zp, -abs(zd), -abs(zb), 0.0))
+            for zp, zd, zb in zip(_slow_z(along), _slow_z(dist), _slow_z(balance), strict=True)]
 
 
 def test_robust_z_and_agreements_match_slow_references():

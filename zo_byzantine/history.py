@@ -55,9 +55,12 @@ def agreements(vectors: torch.Tensor, f: int, cap: float) -> tuple[torch.Tensor,
 
     Reference ``c``: the coordinate-wise mean trimmed by ``f`` per side (in the honest range). Per row, the
     component along ``c`` (``p_i = <v_i, c> / ||c||^2``; honest rows near 1, FOE's ``1 - omega`` far below) and
-    the distance ``d_i = ||v_i - c||`` (ALIE's ``omega ||sigma||`` beyond the honest spread), each as a robust z
-    score over the round's rows; ``a_i = clamp(min(z_p, -z_d, 0), -cap, 0)``. Capped at 0 above: agreeing more
-    than the median earns nothing (an attacker cannot bank credit by copying the reference)."""
+    the distance ``d_i = ||v_i - c||`` (ALIE's ``omega ||sigma||`` beyond the honest spread; FOE's vector, collinear
+    with ``c``, too close) and the sign balance ``b_i = mean_r sign(v_i[r] - c[r])`` (an honest residual is the
+    projection of the client's gradient's difference and noise on symmetric ``z_r``: ``b_i`` near 0, ``~1 /
+    sqrt(nu)``; ALIE's ``omega sigma``, positive in every coordinate, has ``b = 1``), each as a robust z score over the
+    round's rows; ``a_i = clamp(min(z_p, -|z_d|, -|z_b|, 0), -cap, 0)``. Capped at 0 above: agreeing more than the
+    median earns nothing (an attacker cannot bank credit by copying the reference)."""
     v = vectors.double()
     m = len(v)
     k = min(f, (m - 1) // 2)
@@ -65,8 +68,9 @@ def agreements(vectors: torch.Tensor, f: int, cap: float) -> tuple[torch.Tensor,
     size = float(ref @ ref)
     along = v @ ref / size if size > 0 and math.isfinite(size) else torch.zeros(m, dtype=torch.float64)
     dist = _row_norms(v - ref)
-    worst = torch.minimum(robust_z(along), -robust_z(dist).abs()).clamp(-cap, 0.0)
-    return worst.nan_to_num(nan=-cap), ref
+    balance = torch.sign(v - ref).mean(dim=1)
+    worst = torch.minimum(torch.minimum(robust_z(along), -robust_z(dist).abs()), -robust_z(balance).abs())
+    return worst.clamp(-cap, 0.0).nan_to_num(nan=-cap), ref
 
 
 @register_aggregator("history")
@@ -97,18 +101,20 @@ class History(Rule):
     (1 - decay)`` rounds give ``s_W <= -(1 - decay) q j / e`` (``decay^(W - k) >= 1/e``), so it is kept through at most
     ``j <= e (S_H + threshold) / ((1 - decay) q)`` such rounds per window. ``q`` is measured in the honest spread
     (robust z scores): an attacker whose component along the consensus is ``q`` honest deviations below the median
-    (FOE: ``1 - omega`` against the honest ``~1``), or whose distance to it is ``q`` deviations off the median (ALIE's
-    ``omega ||sigma||``; FOE's vector, collinear with the consensus, is too close), is out after a few such rounds;
-    with the defaults (``decay 0.95``, ``threshold 1``, ``cap 8``) and honest scores near ``-1`` (``E min(z_p, -|z_d|,
-    0)`` for honest rows), full strikes (``a = -8``) from ``-1`` leave ``-1.35, -1.68, -2.00, -2.30``: out at the
-    fourth consecutive strike (floor ``-2``), and one more strike per ``~7`` rounds of mimicry after that.
+    (FOE: ``1 - omega`` against the honest ``~1``), whose distance to it is ``q`` deviations off the median (ALIE's
+    ``omega ||sigma||``; FOE's vector, collinear with the consensus, is too close), or whose residual's signs are
+    ``q`` deviations off balance (ALIE's), is out after a few such rounds;
+    with the defaults (``decay 0.95``, ``threshold 1``, ``cap 8``) and honest scores near ``-1`` (``E min(z_p,
+    -|z_d|, -|z_b|, 0)`` for honest rows), full strikes (``a = -8``) from ``-1`` leave ``-1.35, -1.68, -2.00,
+    -2.30``: out at the fourth consecutive strike (floor ``-2``), and one more strike per ``~7`` rounds of mimicry.
 
     What it does not guarantee: (1) a patient attacker's budget: a client that mimics an honest one (``a`` near the
     honest level) and strikes in the rounds its score allows keeps a rate of about ``(S_H + threshold) / cap``
     full strikes per ``1 / (1 - decay)`` rounds, and one that stays at ``a ~ -(threshold + S_H)`` every round is
     never left out: per round it moves the aggregate like an honest client ``threshold`` honest spreads off the
     median, up to the per-round bound (``attack="adaptive"`` plays this, measured in ``experiments/foe_rules``);
-    (2) nothing along directions that keep both statistics at the honest median's; (3) an honest client whose data
+    (2) nothing along directions that keep the three statistics at the honest median's (e.g. an offset of random
+    signs and honest size); (3) an honest client whose data
     differ (non-iid) may score low and be left out: each costs the round one honest vector, at most ``e_max``
     (counted as ``honest_excluded``); with very heterogeneous clients (MNIST, Dirichlet 0.1) the honest spread is
     wide and the rule catches little (measured); (4) a Byzantine client new to the run starts at 0 like any other.
