@@ -192,6 +192,11 @@ def test_a_bf16_run_replays_bitwise_from_its_ledger_and_differs_from_nearest(tmp
     other.train()
     assert other.ledger.rounds[0]["coefficients"] == trainer.ledger.rounds[0]["coefficients"]  # same first round
     assert not all(torch.equal(a, b) for a, b in zip(nearest.parameters(), model.parameters(), strict=True))
+    # the ledger records a rounding that is not the default, and its replay rounds the same way
+    assert "rounding" not in trainer.ledger.server and other.ledger.server["rounding"] == "nearest"
+    replayed = replay(copy.deepcopy(start), other.ledger.save(str(tmp_path / "nearest")))
+    for a, b in zip(replayed.parameters(), nearest.parameters(), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_rounding_to_nearest_warns_once_when_the_step_rounds_away(tmp_path, caplog):
@@ -240,3 +245,30 @@ def test_an_offloaded_bf16_model_is_updated_where_it_lives_with_the_same_bits(tm
     entry = stream.entries[id(table_o.params[j])]
     raw = torch.frombuffer(bytearray(os.pread(stream.fd, entry.nbytes, entry.offset)), dtype=torch.bfloat16)
     assert torch.equal(raw.view_as(table_m.params[j]).view(torch.int16), table_m.params[j].view(torch.int16))
+
+
+def test_a_ledger_with_an_unknown_rounding_is_refused_naming_the_field(tmp_path):
+    import json
+
+    from zo_byzantine.ledger import Ledger, LedgerError
+
+    model, tokenizer = _tiny_llama(torch.bfloat16)
+    trainer = make_trainer(model, TextDataset(tokenizer, n=16, causal=True), tmp_path, collate(tokenizer),
+                           max_steps=1, update_rounding="nearest")
+    trainer.train()
+    data = json.loads(open(trainer.ledger.save(str(tmp_path))).read())
+    data["server"]["rounding"] = "up"
+    with pytest.raises(LedgerError, match=r"server\.rounding"):
+        Ledger.loads(json.dumps(data))
+
+
+def test_a_flower_node_s_replica_rounds_as_the_run_config_says(tmp_path):
+    from zo_byzantine import ZOByzantineArguments
+    from zo_byzantine.flower.config import NODE_SETTINGS
+    from zo_byzantine.flower.replica import Replica
+
+    assert "update_rounding" in NODE_SETTINGS  # kept per node and checked against the run config
+    model, _ = _tiny_llama(torch.bfloat16)
+    for mode in ("stochastic", "nearest"):
+        args = ZOByzantineArguments(output_dir=str(tmp_path), update_rounding=mode, report_to=[])
+        assert Replica(model, args).optimizer.rounding == mode

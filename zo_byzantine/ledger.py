@@ -86,6 +86,7 @@ from tqdm.auto import tqdm
 from .directions import DISTRIBUTIONS, GENERATORS, TorchDirections, from_description
 from .optim import SERVER_OPTIMIZERS, ZOOptimizer, update_fits
 from .perturbation import ParameterTable, direction_seed
+from .rounding import ROUNDINGS
 from .validation import is_number
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ SEED_LIMIT = 1 << 64  # seed tuple entries are in [0, 2^64)
 SEED_TUPLE_LENGTHS = (4, 5)  # (s, t, l, r) or (s, t, l, r, client)
 
 HEADER = ("parameters", "weight_decay", "server", "generator")
-SERVER_KEYS = ("optimizer", "local_lr", "betas", "eps", "v0")
+SERVER_KEYS = ("optimizer", "local_lr", "betas", "eps", "v0")  # and "rounding" when not ROUNDING_DEFAULT
+ROUNDING_DEFAULT = ROUNDINGS[0]  # stochastic: what a ledger without "rounding" was written with
 _KEYS = {
     1: ({"format", "version", "parameters", "weight_decay", "server", "rounds", "digest"}, set()),
     2: ({"format", "version", "parameters", "weight_decay", "server", "fingerprint", "rounds", "digest"},
@@ -282,7 +284,9 @@ def _check_header(data: dict) -> None:
             raise LedgerError(f"weight_decay: {name!r} is not one of the parameters")
         _finite(wd, f"weight_decay[{name!r}]")
     server = data["server"]
-    _object(server, "server", (set(SERVER_KEYS), set()))
+    _object(server, "server", (set(SERVER_KEYS), {"rounding"}))
+    if server.get("rounding", ROUNDING_DEFAULT) not in ROUNDINGS:
+        _fail("server.rounding", f"one of {list(ROUNDINGS)}", server["rounding"])
     if not isinstance(server["optimizer"], str) or server["optimizer"] not in SERVER_OPTIMIZERS:
         _fail("server.optimizer", f"one of {list(SERVER_OPTIMIZERS)}", server["optimizer"])
     _finite(server["local_lr"], "server.local_lr", low=0)
@@ -641,6 +645,8 @@ class Ledger:
             "eps": float(optimizer.eps),
             "v0": float(optimizer.v0),
         }
+        if optimizer.rounding != ROUNDING_DEFAULT:  # recorded when not the default: earlier ledgers read unchanged
+            self.server["rounding"] = optimizer.rounding
         self.generator = table.directions.describe()
         self.fingerprint: str | None = weights_fingerprint(table)
         if protocol is not None:  # JSON values only (it is written), as read back
@@ -901,6 +907,7 @@ def replay(
             betas=tuple(server["betas"]),
             eps=server["eps"],
             v0=server["v0"],
+            rounding=server.get("rounding", ROUNDING_DEFAULT),
         )
     except (ValueError, TypeError) as err:
         raise LedgerError(f"Ledger server settings: {err}") from err

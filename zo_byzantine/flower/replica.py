@@ -43,7 +43,7 @@ class Replica:
         self.table = ParameterTable(model, build_directions(args.zo_generator, args.zo_distribution))
         local_lr = args.local_learning_rate if args.local_learning_rate is not None else args.learning_rate
         self.optimizer = ZOOptimizer(self.table, [{"params": self.table.params, "weight_decay": 0.0}],
-                                     lr=args.learning_rate, local_lr=local_lr)
+                                     lr=args.learning_rate, local_lr=local_lr, rounding=args.update_rounding)
         self.start = weights_fingerprint(self.table)
         self.applied = 0
 
