@@ -201,11 +201,14 @@ def memory(args):
     results = {}
     for mode in ("inference", "auto", "auto_budget_0", "antithetic", "cached", "two_forwards", "first_order",
                  "first_order_adam"):
-        out = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--clients", str(args.clients),
-                              "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--model", args.model],
-                             capture_output=True,
-                             text=True, check=True).stdout.strip().splitlines()[-1]
-        results[mode] = json.loads(out)
+        done = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--clients", str(args.clients),
+                               "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--model", args.model],
+                              capture_output=True, text=True)
+        if done.returncode != 0:  # a refusal before any work (e.g. first-order FedAvg in R^d that does not fit)
+            refusal = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+            print(f"| {mode} | refused: {refusal[:200]} | | |", flush=True)
+            continue
+        results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     base = results["inference"]["peak"]
     for mode, r in results.items():
         print(f"| {mode} | {r['peak'] / 1024:.0f} | {(r['peak'] - r['baseline']) / 1024:.0f} | "
