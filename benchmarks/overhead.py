@@ -36,10 +36,11 @@ def model_of(name: str):
     if name == "minilm":
         return minilm()
     from zo_byzantine.models import load
-    from zo_byzantine.prompts import PromptModel
+    from zo_byzantine.prompts import PromptModel, label_token_ids
+    from zo_byzantine.tasks import load_task
 
     lm, tokenizer = load(name)
-    label_ids = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" negative", " positive")]
+    label_ids = label_token_ids(load_task("sst2"), tokenizer, "causal_lm")  # SST-2's causal label words
     return PromptModel(lm, label_ids, "causal_lm"), f"{type(lm).__name__}, real weights, prompt scoring"
 
 
