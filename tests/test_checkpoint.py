@@ -127,3 +127,44 @@ def test_resume_keeps_a_replayable_ledger_and_refuses_a_checkpoint_without_one(t
     again = make_trainer(_model(), VectorDataset(128), tmp_path / "d", **SETTINGS)
     with pytest.raises(LedgerError, match="has no zo_ledger.json"):
         again.train(resume_from_checkpoint=str(checkpoint))
+
+
+class _TiedModel(torch.nn.Module):
+    """A plain module whose output layer shares its weight with the input layer (as an LM's tied head)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(dim, dim, bias=False)
+        self.outer = torch.nn.Linear(dim, dim, bias=False)
+        self.outer.weight = self.inner.weight
+        self.head = LogisticRegression(dim)
+
+    def forward(self, x, labels=None):
+        return self.head(self.outer(torch.tanh(self.inner(x))), labels)
+
+
+def test_resume_of_a_tied_model_loads_the_shared_weight_once_without_a_missing_key_warning(tmp_path, caplog):
+    """The checkpoint stores the tied tensor once; resuming loads it through the stored key (the two stay one
+    tensor, the trajectory continues) and Trainer's "missing keys" warning names nothing (it named the tied key)."""
+    settings = {**SETTINGS, "max_steps": 6}
+    straight = _TiedModel()
+    make_trainer(straight, VectorDataset(128), tmp_path / "a", **settings).train()
+    make_trainer(_TiedModel(), VectorDataset(128), tmp_path / "b",
+                 **{**settings, "save_strategy": "steps", "save_steps": 3}).train()
+    resumed = _TiedModel()
+    with caplog.at_level("WARNING"):
+        make_trainer(resumed, VectorDataset(128), tmp_path / "c", **settings).train(
+            resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-3"))
+    assert not [r for r in caplog.records if "missing keys" in r.getMessage()]
+    assert resumed.outer.weight is resumed.inner.weight
+    assert_same_weights(state(resumed), state(straight))
+
+
+def test_a_truly_missing_key_is_still_reported():
+    from zo_byzantine.checkpoints import missing_untied
+
+    model = _TiedModel()
+    assert missing_untied(model, ["outer.weight"]) == []  # loaded through inner.weight
+    assert missing_untied(model, ["outer.weight", "inner.weight"]) == ["outer.weight", "inner.weight"]
+    assert missing_untied(model, ["head.linear.bias"]) == ["head.linear.bias"]

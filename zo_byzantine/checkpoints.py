@@ -51,6 +51,18 @@ def save_plain_model(model, output_dir: str, processing_class=None) -> None:
         processing_class.save_pretrained(output_dir)
 
 
+def missing_untied(model, missing_keys: list[str]) -> list[str]:
+    """The keys truly missing from a checkpoint of ``model``: a key absent only because its tensor is shared with a
+    key that was loaded (tied weights, stored once by :func:`save_plain_model`) was loaded through that key."""
+    missing = set(missing_keys)
+    by_storage: dict[tuple, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_storage.setdefault((tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                               tuple(tensor.shape)), set()).add(name)
+    loaded_through = {name for names in by_storage.values() if names - missing for name in names}
+    return [key for key in missing_keys if key not in loaded_through]
+
+
 # ----- the protocol settings ------------------------------------------------------------------------
 
 

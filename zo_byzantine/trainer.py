@@ -226,6 +226,13 @@ class ZOByzantineTrainer(Trainer):
             checkpoints.save_plain_model(model, output_dir if output_dir is not None else self.args.output_dir,
                                          self.processing_class)
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """Trainer's warning for keys missing from a loaded checkpoint, without the tied keys that were loaded
+        through the tensor they share (:func:`checkpoints.missing_untied`)."""
+        model = self.accelerator.unwrap_model(self.model)
+        missing = checkpoints.missing_untied(model, load_result.missing_keys)
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model as ``Trainer`` does, and the ledger beside it."""
         super().save_model(output_dir, _internal_call)
