@@ -8,19 +8,24 @@ replies, its aggregation) and every node's ``timings.jsonl`` (written with ``ZO_
 process's start and the wall-clock time of each step). Per round (median over rounds 1..R-1; round 0 also
 registers the nodes), the nodes' means:
 
-    dispatch          server push -> the node's ClientApp process started (SuperLink, SuperNode, SuperExec)
-    process+imports   process start -> the node's modules imported (Python, Flower, torch, zo_byzantine, the app)
+    dispatch          server push -> the node's ClientApp process started (SuperLink, SuperNode, SuperExec); with
+                      --resident: -> the plan's handler entered in the node's resident runtime
+    process+imports   process start -> the node's modules imported (Python, Flower, torch, zo_byzantine, the app);
+                      with --resident, imported once per node: ~0
     model load        settings from the store + the task's model and data (``task`` of the run config)
     catch-up          the replica's weights from the store, the plan's ledger rounds applied, the store written
     compute           the round's batch and the client's perturbed forwards (the simulation's client role)
     reply+pull        last node's compute done -> the server has every reply (push, SuperLink, the server's poll)
     aggregation       validation, robust aggregation, ledger write, the server's replica
 Also: the bytes SuperNode and ClientApp exchange per plan (plan, reply, Context), the memory of each SuperNode's
-process group (idle: SuperNode and SuperExec; peak: with its ClientApp), the server's CPU seconds per round.
+process group (idle: SuperNode and SuperExec; peak: with its ClientApp; with --resident: SuperNode and its
+resident runtime), the server's CPU seconds per round.
 
     python benchmarks/flower_round.py --nodes 4                     # vectors task, 20 rounds
     python benchmarks/flower_round.py --nodes 4,16,64 --rounds 20
     python benchmarks/flower_round.py --task text --nodes 4 --rounds 10   # all-MiniLM-L6-v2, head only, SST-2
+    python benchmarks/flower_round.py --nodes 4 --resident per-node   # zo-byzantine-resident beside each SuperNode
+    python benchmarks/flower_round.py --nodes 64 --resident shared    # one zo-byzantine-resident for all of them
 
 Runs with the repository's venv (``source .venv/bin/activate``; the Flower executables are taken from beside the
 running interpreter). Refuses an N whose estimated memory does not fit in what the machine has available.
@@ -110,9 +115,9 @@ def group_usage() -> dict[int, tuple[int, float]]:
 
 
 class Sampler(threading.Thread):
-    """Every ``every`` seconds: each SuperNode group's memory (min and max seen) and the SuperLink group's CPU."""
+    """Every ``every`` seconds: each SuperNode's memory (its process groups summed; min and max seen)."""
 
-    def __init__(self, groups: dict[str, int], every: float = 1.0):
+    def __init__(self, groups: dict[str, list[int]], every: float = 1.0):
         super().__init__(daemon=True)
         self.groups, self.every = groups, every
         self.low: dict[str, int] = {}
@@ -126,10 +131,10 @@ class Sampler(threading.Thread):
             if not self.counting.is_set():
                 continue
             usage = group_usage()
-            self.total = max(self.total, sum(usage[g][0] for g in self.groups.values() if g in usage))
-            for name, group in self.groups.items():
-                if group in usage:
-                    rss = usage[group][0]
+            self.total = max(self.total, sum(usage[g][0] for gs in self.groups.values() for g in gs if g in usage))
+            for name, groups in self.groups.items():
+                if any(g in usage for g in groups):
+                    rss = sum(usage[g][0] for g in groups if g in usage)
                     self.low[name] = min(self.low.get(name, rss), rss)
                     self.high[name] = max(self.high.get(name, 0), rss)
 
@@ -162,9 +167,10 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
             continue
         started = entry["timing"]["started"]
         mean = statistics.fmean
+        entered = [m["process"] if m["process"] > started else m["started"] for m in marks]  # resident: the handler
         values = {
-            "dispatch": mean(m["process"] - started for m in marks),
-            "process+imports": mean(m["imported"] - m["process"] for m in marks),
+            "dispatch": mean(e - started for e in entered),
+            "process+imports": mean(m["imported"] - e for m, e in zip(marks, entered, strict=True)),
             "model load": mean(m["task_built"] - m["imported"] for m in marks),
             "catch-up": mean(m["caught_up"] - m["task_built"] for m in marks),
             "compute": mean(m["computed"] - m["caught_up"] for m in marks),
@@ -177,10 +183,10 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
 
 
 def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_client: int,
-           poll: float | None = None) -> dict:
+           poll: float | None = None, resident: str = "none") -> dict:
     out = os.path.join(root, "server_out")
     config = run_config(task, nodes, rounds, out, per_client)
-    result = {"task": task, "nodes": nodes, "rounds": rounds, "superexec_poll_s": poll}
+    result = {"task": task, "nodes": nodes, "rounds": rounds, "superexec_poll_s": poll, "resident": resident}
     result["simulation_round_s"] = simulation_round(config, os.path.join(root, "simulation"))
     begin = time.monotonic()
     with LocalDeployment(root) as deployment:
@@ -189,9 +195,16 @@ def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_cl
             deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(poll)
         deployment.start_superlink()
         for i in range(nodes):
-            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": nodes})
+            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": nodes},
+                                       resident={"none": False, "per-node": True, "shared": "shared"}[resident])
+        if resident == "shared":
+            deployment.start_resident("resident", [f"node{i}" for i in range(nodes)])
         groups = {name: process.pid for name, process in deployment.processes.items()}
-        sampler = Sampler({n: g for n, g in groups.items() if n.startswith("node")})
+        watched = {f"node{i}": [groups[f"node{i}"], *([groups[f"node{i}-resident"]] if resident == "per-node" else [])]
+                   for i in range(nodes)}
+        if resident == "shared":
+            watched["resident"] = [groups["resident"]]
+        sampler = Sampler(watched)
         sampler.start()
         server_cpu = group_usage().get(groups["superlink"], (0, 0.0))[1]
         deployment.start_run(EXAMPLE_APP, config)
@@ -224,8 +237,10 @@ def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_cl
         values = [m[key] for m in steady if key in m]
         result[key] = statistics.median(values) if values else None
     mib = 2**20
+    shared = sampler.high.pop("resident", None), sampler.low.pop("resident", None)
     result["supernode_idle_mib"] = statistics.median(sampler.low.values()) / mib if sampler.low else None
     result["supernode_peak_mib"] = statistics.median(sampler.high.values()) / mib if sampler.high else None
+    result["shared_resident_peak_mib"] = shared[0] / mib if shared[0] is not None else None
     result["all_supernodes_peak_gib"] = sampler.total / 2**30
     return result
 
@@ -241,8 +256,10 @@ def show(result: dict) -> None:
     steps = "  ".join(f"{step} {b[step]:.2f}" if b.get(step) is not None else f"{step} -" for step in STEPS)
     rnd = b.get("round")
     poll = result["superexec_poll_s"]
+    runtime = f"resident runtime: {result['resident']}" if result["resident"] != "none" else \
+        f"SuperExec poll {'1 s, Flower default' if poll is None else f'{poll:g} s'}"
     print(f"\n{result['task']}, {result['nodes']} nodes, {result['rounds_done']}/{result['rounds']} rounds "
-          f"(SuperExec poll {'1 s, Flower default' if poll is None else f'{poll:g} s'}) "
+          f"({runtime}) "
           f"({result['rounds_accepted']} with every node accepted), wall {result['wall_s']:.0f} s")
     print(f"  seconds per round (median of rounds 1..): {rnd if rnd is None else round(rnd, 2)}   first round "
           f"{result['first_round_s']}   simulation's round {result['simulation_round_s']:.4f}")
@@ -253,6 +270,8 @@ def show(result: dict) -> None:
     print(f"  memory per SuperNode (after registration; its process group): idle {idle and round(idle)} MiB, peak "
           f"{peak and round(peak)} MiB (medians over nodes); all SuperNodes at once, peak "
           f"{result['all_supernodes_peak_gib']:.1f} GiB; server CPU per round {result['server_cpu_per_round_s']:.2f} s")
+    if result.get("shared_resident_peak_mib") is not None:
+        print(f"  the shared resident runtime (counted in 'all'): peak {result['shared_resident_peak_mib']:.0f} MiB")
     if "error" in result:
         print(f"  ERROR: {result['error']}")
 
@@ -270,6 +289,9 @@ def main(argv=None) -> None:
                              "an N that does not fit (default 450)")
     parser.add_argument("--superexec-poll", type=float, default=None,
                         help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL for the SuperNodes' SuperExec (Flower's default: 1 s)")
+    parser.add_argument("--resident", choices=("none", "per-node", "shared"), default="none",
+                        help="SuperNodes in process isolation with zo-byzantine-resident running their messages (one "
+                             "per SuperNode, or one shared by all) instead of a ClientApp process per message")
     parser.add_argument("--keep", default="", help="a folder to keep the deployments' files in (default: removed)")
     parser.add_argument("--json", default="", help="write the results to this file too")
     args = parser.parse_args(argv)
@@ -291,7 +313,7 @@ def main(argv=None) -> None:
         root = tempfile.mkdtemp(prefix=f"flower_round_{args.task}_{n}_", dir=args.keep or None)
         try:
             result = deploy(args.task, n, args.rounds, root, args.timeout, args.examples_per_client,
-                            args.superexec_poll)
+                            args.superexec_poll, args.resident)
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)

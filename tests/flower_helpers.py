@@ -211,6 +211,10 @@ class LocalDeployment:
                     "PATH": os.pathsep.join([self.bin, os.environ.get("PATH", "")])}
         self.processes: dict[str, object] = {}
         self.logs: dict[str, str] = {}
+        self.runtime_ports: dict[str, int] = {}  # SuperNode -> its Runtime API port
+        self.secret = os.path.join(self.home, "superexec.secret")  # the SuperNodes' and resident runtimes' secret
+        with open(self.secret, "wb") as f:
+            f.write(os.urandom(32))
         assert shutil.which("flower-superlink", path=self.bin), "flwr is not installed in this environment"
 
     def _start(self, name: str, argv: list[str]):
@@ -245,14 +249,30 @@ class LocalDeployment:
             time.sleep(0.2)
         raise RuntimeError(f"the SuperLink did not start: {self.tail('superlink')}")
 
-    def start_supernode(self, name: str, node_config: dict, private_key: str | None = None) -> None:
-        """Start SuperNode ``name``; its store (node config ``store-dir``, unless given) is under ``root``."""
+    def start_supernode(self, name: str, node_config: dict, private_key: str | None = None,
+                        resident: bool | str = False) -> None:
+        """Start SuperNode ``name``; its store (node config ``store-dir``, unless given) is under ``root``.
+        ``resident``: the SuperNode in ``process`` isolation (no ClientApp process per message), authenticated to
+        its runtime by the deployment's secret file; ``True`` also starts a resident runtime for it alone
+        (process ``<name>-resident``), ``"shared"`` leaves it to :meth:`start_resident`."""
         node_config = {"store-dir": os.path.join(self.root, "stores"), **node_config}
         config = " ".join(f"{k}={_toml_value(v)}" for k, v in node_config.items())
         security = ["--root-certificates", self.certificates["ca.crt"]] if self.certificates else ["--insecure"]
         key = ["--auth-supernode-private-key", private_key] if private_key else []
+        self.runtime_ports[name] = free_port()
+        isolation = ["--isolation", "process", "--superexec-auth-secret-file", self.secret] if resident else []
         self._start(name, ["flower-supernode", *security, *key, "--superlink", f"127.0.0.1:{self.port}",
-                           "--port", str(free_port()), "--node-config", config])
+                           "--port", str(self.runtime_ports[name]), "--node-config", config, *isolation])
+        if resident is True:
+            self.start_resident(f"{name}-resident", [name])
+
+    def start_resident(self, name: str, supernodes: list[str]) -> None:
+        """Start ``zo-byzantine-resident`` as process ``name``, running the messages of ``supernodes`` (started
+        with ``resident``)."""
+        addresses = [a for node in supernodes for a in ("--runtime-api-address",
+                                                        f"127.0.0.1:{self.runtime_ports[node]}")]
+        self._start(name, ["python", "-m", "zo_byzantine.flower.resident", "--insecure", *addresses,
+                           "--superexec-auth-secret-file", self.secret])
 
     def register(self, public_key: str):
         """``flwr supernode register <public_key> loopback``: the SuperLink then accepts that SuperNode."""

@@ -320,13 +320,18 @@ def test_a_restarted_node_catches_up_and_one_that_lost_its_state_asks_for_it():
         assert all(torch.equal(a, b) for a, b in zip(node_weights(grid, node), replayed, strict=True))
 
 
-def test_a_node_out_of_sync_refuses_then_starts_over():
+def _four_nodes_after_two_rounds():
     config = run_config(rounds=4, num_clients=4, clients_per_round=4, **{"min-nodes": 4})
     grid = LoopbackGrid(config, nodes(4))
     coord = coordinator(config, grid)
     coord.register(grid)
     coord.round(grid, 0)
     coord.round(grid, 1)
+    return grid, coord
+
+
+def test_a_node_out_of_sync_refuses_then_starts_over():
+    grid, coord = _four_nodes_after_two_rounds()
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -360,20 +365,21 @@ def test_a_node_refuses_a_plan_it_cannot_reproduce(tmp_path):
     node = read_node_config({"partition-id": 0, "num-partitions": 3}, 3)
     content = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
     store = NodeStore(str(tmp_path))
-    assert answer(content, RecordDict(), deployment, task, node, store)[REPORT]["client"] == 0  # as sent: answered
+    reply = answer(content, RecordDict(), deployment, task, node, store, Replica(task.model, deployment.args))
+    assert reply[REPORT]["client"] == 0  # as sent: answered
     other = plan_content(plan, 0, [], coord.replica.start, coord.replica.fingerprint())
     other["plan"]["generator_name"] = "torch"
     with pytest.raises(PlanRefused, match="cannot reproduce them"):
-        answer(other, RecordDict(), deployment, task, node, store)
+        answer(other, RecordDict(), deployment, task, node, store, Replica(task.model, deployment.args))
     with pytest.raises(PlanRefused, match="start weights differ"):
         answer(plan_content(plan, 0, [], "0" * 64, coord.replica.fingerprint()), RecordDict(), deployment, task, node,
-               store)
+               store, Replica(task.model, deployment.args))
     import dataclasses
 
     unsampled = dataclasses.replace(plan, participants=(1, 2))
     with pytest.raises(PlanRefused, match="client 0 was not sampled in round 0"):
         answer(plan_content(unsampled, 0, [], coord.replica.start, coord.replica.fingerprint()), RecordDict(),
-               deployment, task, node, store)
+               deployment, task, node, store, Replica(task.model, deployment.args))
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
@@ -502,3 +508,55 @@ def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head
     trainable = sum(p.numel() for p in coord.replica.table.params)
     assert (trainable == 16 * 2 + 2) == head_only  # only the classification head, or every weight
     assert 0.0 <= coord.rounds_log[1]["eval_accuracy"] <= 1.0 and math.isfinite(coord.rounds_log[1]["eval_loss"])
+
+
+# ----- a process that runs many messages (the resident runtime) keeps each node in memory -------------------------
+
+
+@pytest.fixture
+def keeping(monkeypatch):
+    """``keep_in_memory`` on, as in ``zo-byzantine-resident``; counts the tasks the nodes build."""
+    from zo_byzantine.flower import apps
+
+    built = []
+
+    def counted(deployment, config):
+        built.append(1)
+        return build_task(deployment, config)
+
+    monkeypatch.setattr(apps, "build_task", counted)
+    apps.keep_in_memory(True)
+    yield built
+    apps.keep_in_memory(False)
+
+
+def test_nodes_kept_in_memory_write_the_same_ledger_and_build_their_task_once(keeping):
+    config = run_config(rounds=3)
+    fresh = coordinator(config, grid := LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}})))
+    from zo_byzantine.flower import apps
+
+    apps.keep_in_memory(False)
+    fresh.run(grid)
+    per_message = len(keeping)
+    apps.keep_in_memory(True)
+    keeping.clear()
+    kept = coordinator(config, grid := LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}})))
+    kept.run(grid)
+    assert per_message == 3 * 3 and len(keeping) == 3  # a task per plan; a task per node
+    assert kept.ledger.rounds == fresh.ledger.rounds
+    assert all(r["rejected"] == 0 and not r["problems"] for r in kept.rounds_log)
+
+
+def test_a_kept_node_whose_weights_drift_refuses_then_starts_over_from_a_new_task(keeping):
+    grid, coord = _four_nodes_after_two_rounds()
+    from zo_byzantine.flower import apps
+
+    ((_, replica),) = [v for k, v in apps._KEPT.items() if k[1] == 101]
+    with torch.no_grad():
+        replica.table.params[0].add_(1e-3)  # its weights in memory drifted
+    built = len(keeping)
+    entry = coord.round(grid, 2)
+    assert 1 not in entry["accepted"] and not replica.in_sync
+    assert any("weights differ from the server's" in p["reason"] for p in entry["problems"])
+    assert coord.round(grid, 3)["catch_up"] == [1]  # a new replica at the start weights asks for every round
+    assert len(keeping) == built + 1 and coord.applied[101] == 0

@@ -3,6 +3,7 @@ app run with ``flwr run``; its ledger is the one ``ZOByzantineTrainer`` writes i
 (a reply typed as another message, a registration answered late) neither hijack a client nor stall a round.
 Bounded in time; every process is stopped, also on failure."""
 
+import json
 import os
 import shutil
 import time
@@ -22,28 +23,42 @@ from flower_helpers import (
 
 from zo_byzantine import Ledger, replay
 from zo_byzantine.flower import read_rounds_log, read_run_config
+from zo_byzantine.flower.apps import TIMINGS_ENV, TIMINGS_FILE
 from zo_byzantine.flower.config import build_task
 
 pytestmark = pytest.mark.slow  # each test starts a SuperLink and SuperNodes
 
 
-def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
+@pytest.mark.parametrize("resident", [False, True, "shared"], ids=["clientapp-per-message", "resident", "shared"])
+def test_loopback_deployment_writes_the_trainers_ledger(tmp_path, resident):
+    """However a node runs its messages (a ClientApp process each; its resident runtime: every plan of the node in
+    one process, its weights kept in memory; one resident runtime for all nodes), the deployment writes the
+    Trainer's ledger."""
     out = tmp_path / "server_out"
     n = 3
-    config = run_config(rounds=2, **{"output-dir": str(out), "min-nodes": n, "round-timeout": 120.0})
+    config = run_config(rounds=3, **{"output-dir": str(out), "min-nodes": n, "round-timeout": 120.0})
     start = time.monotonic()
     with LocalDeployment(tmp_path) as deployment:
+        deployment.env[TIMINGS_ENV] = "1"
         deployment.start_superlink()
         for i in range(n):  # node 0 is Byzantine: Gaussian noise instead of its scalars (a client-mountable attack)
             deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": n,
-                                                    **({"attack": "gaussian"} if i == 0 else {})})
+                                                    **({"attack": "gaussian"} if i == 0 else {})}, resident=resident)
+        if resident == "shared":
+            deployment.start_resident("resident", [f"node{i}" for i in range(n)])
         result = deployment.run(EXAMPLE_APP, config, timeout=240)
         logs = {name: deployment.tail(name) for name in deployment.logs}
     elapsed = time.monotonic() - start
     assert os.path.isfile(out / "zo_ledger.json"), (result.stdout[-3000:], result.stderr[-3000:], logs)
     deployed = Ledger.read(str(out))
     rounds_log = read_rounds_log(str(out))
-    assert [r["accepted"] for r in rounds_log] == [[0, 1, 2]] * 2, rounds_log
+    assert [r["accepted"] for r in rounds_log] == [[0, 1, 2]] * 3, rounds_log
+    plans = [(path.parent, json.loads(line)) for path in (tmp_path / "stores").rglob(TIMINGS_FILE)
+             for line in path.read_text().splitlines()]  # (the node's store, one plan's record)
+    processes = {(node, plan["pid"]) for node, plan in plans}
+    pids = {plan["pid"] for _, plan in plans}
+    assert len(plans) == 3 * n and len(processes) == (n if resident else 3 * n), plans
+    assert len(pids) == {False: 3 * n, True: n, "shared": 1}[resident], plans
     assert all(r["rejected"] == 0 and not r["problems"] for r in rounds_log), rounds_log
     reference, trained = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
     assert_same_rounds(deployed["rounds"], reference.rounds, mu=1e-3)
@@ -52,7 +67,8 @@ def test_loopback_deployment_writes_the_trainers_ledger(tmp_path):
     replay(model, deployed)
     for a, b in zip(model.parameters(), trained.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=weight_tolerance(config, 1e-3))
-    print(f"loopback deployment: {elapsed:.1f} s for {n} nodes x 2 rounds")
+    print(f"loopback deployment ({'resident' if resident else 'ClientApp per message'}): {elapsed:.1f} s for {n} "
+          "nodes x 3 rounds")
 
 
 def _wait_for_rounds(out, count: int, deadline: float, deployment) -> list[dict]:

@@ -62,12 +62,14 @@ def test_a_vectors_node_answers_a_plan_without_importing_transformers(tmp_path):
     code = ("import json, sys\nfrom flwr.app import ConfigRecord, RecordDict\n"
             "from zo_byzantine.flower.apps import client_app\n"
             "from zo_byzantine.flower.config import build_task, node_deployment, read_node_config\n"
-            "from zo_byzantine.flower.node import answer\nfrom zo_byzantine.flower.store import NodeStore\n"
+            "from zo_byzantine.flower.node import answer\nfrom zo_byzantine.flower.replica import Replica\n"
+            "from zo_byzantine.flower.store import NodeStore\n"
             f"config, plan = json.loads({json.dumps(json.dumps([config, dict(content['plan'])]))})\n"
             f"store = NodeStore({str(tmp_path)!r})\ndeployment = node_deployment(config, store)\n"
             "node = read_node_config({'partition-id': 0, 'num-partitions': 3}, 3)\n"
-            "reply = answer(RecordDict({'plan': ConfigRecord(plan)}), RecordDict(), deployment,\n"
-            "               build_task(deployment, config), node, store)\n"
+            "task = build_task(deployment, config)\n"
+            "reply = answer(RecordDict({'plan': ConfigRecord(plan)}), RecordDict(), deployment, task, node, store,\n"
+            "               Replica(task.model, deployment.args))\n"
             f"print(json.dumps([reply['report']['client'], [m for m in {HEAVY[:-1]!r} if m in sys.modules]]))")
     assert json.loads(_python(code)) == [0, []]
 

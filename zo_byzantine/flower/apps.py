@@ -7,7 +7,9 @@ A Flower App (``examples/flower``) exposes them: ``app = server_app()``, ``app =
 
 Flower runs every message to a node in a fresh ClientApp process, so the ClientApp imports only what a node needs
 (no transformers Trainer, peft, datasets or scikit-learn: see ``zo_byzantine/__init__.py``); the node's store
-(``store.NodeStore``) keeps its checked settings, partition and weights between the messages. With the environment
+(``store.NodeStore``) keeps its checked settings, partition and weights between the messages. A process that runs
+many messages (the resident runtime, ``resident``) also keeps the task and the replica in memory
+(:func:`kept_node`): no model load and no weights read per plan. With the environment
 variable ``ZO_FLOWER_TIMINGS=1`` on the SuperNode, every plan appends its steps' wall-clock times to
 ``timings.jsonl`` in the node's store (``benchmarks/flower_round.py`` reads them).
 """
@@ -22,10 +24,21 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from .config import build_task, node_deployment, read_node_config, read_run_config
+from .config import Deployment, Task, build_task, node_deployment, read_node_config, read_run_config
 from .store import NodeStore
 
 TIMINGS_ENV, TIMINGS_FILE = "ZO_FLOWER_TIMINGS", "timings.jsonl"
+_KEPT: dict = {}  # kept_node's: {(run id, node id, run config): (task, replica)}, one run, one entry per node
+_KEEPING = [False]  # keep_in_memory's switch
+
+
+def keep_in_memory(on: bool = True) -> None:
+    """Whether :func:`kept_node` keeps each node's task and replica between the messages this process runs: on in
+    the resident runtime (``resident``); off by default, where a process runs one message (Flower's ClientApp
+    process) or plays many nodes' messages as fresh processes would (tests)."""
+    _KEEPING[0] = bool(on)
+    if not on:
+        _KEPT.clear()
 
 
 def server_app() -> ServerApp:
@@ -73,6 +86,31 @@ def record_timings(store: NodeStore, marks: dict, msg: Message, reply: RecordDic
         f.write(json.dumps(marks) + "\n")
 
 
+def kept_node(context: Context, deployment: Deployment):
+    """``(task, replica)`` of this node in this run: the run config's task built and a new ``Replica`` of its model;
+    with :func:`keep_in_memory` on, kept from this process's earlier plans while the replica is in sync
+    (:attr:`Replica.in_sync`; what was kept for other runs, and for this node under another config, is released
+    before a new one is built)."""
+    from .replica import Replica
+
+    key = (context.run_id, context.node_id, json.dumps(dict(context.run_config), sort_keys=True, default=repr))
+    kept = _KEPT.get(key)
+    if kept is None or not kept[1].in_sync:
+        for other in [k for k in _KEPT if k[0] != key[0] or k[1] == key[1]]:
+            del _KEPT[other]
+        task: Task = build_task(deployment, context.run_config)
+        kept = (task, Replica(task.model, deployment.args))
+        if _KEEPING[0]:
+            _KEPT[key] = kept
+    return kept
+
+
+def drop_kept(context: Context) -> None:
+    """Forget what :func:`kept_node` keeps for this node (its weights in memory are no longer known)."""
+    for key in [k for k in _KEPT if k[:2] == (context.run_id, context.node_id)]:
+        del _KEPT[key]
+
+
 def client_app() -> ClientApp:
     """A ``ClientApp`` answering registration queries and plans as the node config's client."""
     app = ClientApp()
@@ -93,9 +131,13 @@ def client_app() -> ClientApp:
         store = NodeStore.of(context.node_config, context.node_id, context.run_id)
         deployment = node_deployment(context.run_config, store)
         node = read_node_config(context.node_config, deployment.args.num_clients)
-        task = build_task(deployment, context.run_config)
+        task, replica = kept_node(context, deployment)
         marks["task_built"] = time.time()
-        reply = answer(msg.content, context.state, deployment, task, node, store, marks)
+        try:
+            reply = answer(msg.content, context.state, deployment, task, node, store, replica, marks)
+        except BaseException:
+            drop_kept(context)  # the next plan starts from the store
+            raise
         if os.environ.get(TIMINGS_ENV) == "1":
             record_timings(store, marks, msg, reply, context)
         return Message(reply, reply_to=msg)

@@ -1,6 +1,6 @@
 """The client role on one node (SPEC 8): plan message -> catch-up -> report.
 
-    answer(content, state, deployment, task, node) -> reply content
+    answer(content, state, deployment, task, node, store, replica) -> reply content
         parse the plan (strict)                     refuse: not sampled, another generator, other start weights
         apply the ledger entries it lacks           (Replica: the library's update path; no weights on the wire)
           entries start after what it has applied -> a catch-up request (round, client, applied)
@@ -12,7 +12,8 @@
                                                      checks made at its first plan, kept in the node state)
         node attack, if configured                  (an Attack given only this node's vector: honest = own)
 
-The replica's weights between plans: the node's store (a safetensors file), ``applied`` in ``Context.state``.
+The replica's weights between plans: the node's store (a safetensors file), ``applied`` in ``Context.state``; a
+process that runs many plans (``resident``) keeps the replica in memory and reads nothing back.
 A refusal raises :class:`PlanRefused`; Flower returns it to the server as an error reply.
 """
 
@@ -95,14 +96,14 @@ def round_batch(deployment: Deployment, task: Task, client: int, round_index: in
 
 
 def answer(content, state: RecordDict, deployment: Deployment, task: Task, node: Node, store: NodeStore,
-           marks: dict | None = None) -> RecordDict:
+           replica: Replica, marks: dict | None = None) -> RecordDict:
     """This node's reply to a plan message (see the module docstring); ``state``: the node's ``Context.state``;
-    ``store``: its store; ``marks``, if given, gets the wall-clock times (``time.time()``) of the steps done
-    (``caught_up``, ``computed``)."""
+    ``store``: its store; ``replica``: ``Replica(task.model, deployment.args)``, new or kept from this process's
+    earlier plans while ``replica.in_sync``; ``marks``, if given, gets the wall-clock times (``time.time()``) of
+    the steps done (``caught_up``, ``computed``)."""
     message = read_plan(content)
     plan, t = message.plan, message.plan.round
     check_label_flipping(node.attack, task.model, task.train_dataset)
-    replica = Replica(task.model, deployment.args)
     if node.client not in plan.participants:
         raise PlanRefused(f"client {node.client} was not sampled in round {t}.")
     if tuple(plan.generator) != replica.table.directions.identity():

@@ -36,6 +36,8 @@ class Replica:
         optimizer: plain ``ZOOptimizer`` (``sgd``, no weight decay: what a deployment runs).
         start: fingerprint of the start weights (``ledger.weights_fingerprint``).
         applied: the number of ledger rounds applied (rounds ``0..applied-1``).
+        in_sync: whether the weights in memory are the start weights plus ``applied`` rounds (``False`` after
+            :meth:`reset`: a process that keeps this replica between messages must build a new one).
     """
 
     def __init__(self, model: torch.nn.Module, args: ZOByzantineArguments):
@@ -46,6 +48,7 @@ class Replica:
                                      lr=args.learning_rate, local_lr=local_lr, rounding=args.update_rounding)
         self.start = weights_fingerprint(self.table)
         self.applied = 0
+        self.in_sync = True
 
     def fingerprint(self) -> str:
         """Fingerprint of the current trainable weights."""
@@ -70,13 +73,16 @@ class Replica:
 
     def load(self, state: RecordDict, store: NodeStore) -> bool:
         """Restore what :meth:`save` kept, if both the record and the weights file are there for these start
-        weights; returns whether they were (if not: ``applied`` stays 0, and the node asks for the ledger)."""
+        weights; returns whether they were (if not: ``applied`` stays as it was, 0 for a new replica, and the node
+        asks for the ledger). A replica kept in memory that already holds the recorded rounds reads nothing."""
         progress = state.get(PROGRESS)
         if not isinstance(progress, ConfigRecord) or progress.get("start") != self.start:
             return False
         applied = progress.get("applied")
         if type(applied) is not int or applied < 0:
             return False
+        if applied == self.applied and self.in_sync:
+            return True
         kept = store.load_weights(self.start, applied, self.table.names)
         if kept is None:
             return False
@@ -90,7 +96,9 @@ class Replica:
         return True
 
     def reset(self, state: RecordDict, store: NodeStore) -> None:
-        """Forget the kept state (a node out of sync starts over from the start weights at its next plan)."""
+        """Forget the kept state (a node out of sync starts over from the start weights at its next plan); this
+        replica's weights are no longer the start weights plus ``applied`` rounds (``in_sync`` is ``False``)."""
+        self.in_sync = False
         for key in (PROGRESS, LEGACY_WEIGHTS):
             if key in state:
                 del state[key]
