@@ -26,6 +26,7 @@ resident runtime), the server's CPU seconds per round.
     python benchmarks/flower_round.py --task text --nodes 4 --rounds 10   # all-MiniLM-L6-v2, head only, SST-2
     python benchmarks/flower_round.py --nodes 4 --resident per-node   # zo-byzantine-resident beside each SuperNode
     python benchmarks/flower_round.py --nodes 64 --resident shared    # one zo-byzantine-resident for all of them
+    python benchmarks/flower_round.py --task text --model smollm2-135m --nodes 4 --resident per-node
 
 Runs with the repository's venv (``source .venv/bin/activate``; the Flower executables are taken from beside the
 running interpreter). Refuses an N whose estimated memory does not fit in what the machine has available.
@@ -57,7 +58,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 STEPS = ("dispatch", "process+imports", "model load", "catch-up", "compute", "reply+pull", "aggregation")
 
 
-def run_config(task: str, nodes: int, rounds: int, out: str, per_client: int) -> dict:
+def run_config(task: str, nodes: int, rounds: int, out: str, per_client: int, model: str = "") -> dict:
     """The example app's run config (its keys only) for ``nodes`` clients of ``per_client`` examples each."""
     config = {
         "rounds": rounds, "round-timeout": 900.0, "startup-timeout": 900.0, "min-nodes": nodes, "output-dir": out,
@@ -68,8 +69,11 @@ def run_config(task: str, nodes: int, rounds: int, out: str, per_client: int) ->
     if task == "vectors":
         config.update({"task": "zo_flower_app.task:vectors", "task-dim": 8})
     else:
-        config.update({"task": "zo_flower_app.task:text", "task-data": os.path.abspath(SST2), "task-model": "",
+        config.update({"task": "zo_flower_app.task:text", "task-data": os.path.abspath(SST2), "task-model": model,
                        "task-head-only": True, "task-max-length": 64})
+        if model:  # a causal LM scoring SST-2's label words with its own head, every weight trained
+            config.update({"task-head": "prompt", "per_device_train_batch_size": 4, "num_perturbations": 1,
+                           "learning_rate": 1e-5, "zo_eps": 1e-3})
     return config
 
 
@@ -183,10 +187,11 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
 
 
 def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_client: int,
-           poll: float | None = None, resident: str = "none") -> dict:
+           poll: float | None = None, resident: str = "none", model: str = "") -> dict:
     out = os.path.join(root, "server_out")
-    config = run_config(task, nodes, rounds, out, per_client)
-    result = {"task": task, "nodes": nodes, "rounds": rounds, "superexec_poll_s": poll, "resident": resident}
+    config = run_config(task, nodes, rounds, out, per_client, model)
+    result = {"task": task + (f" ({model})" if model else ""), "nodes": nodes, "rounds": rounds,
+              "superexec_poll_s": poll, "resident": resident}
     result["simulation_round_s"] = simulation_round(config, os.path.join(root, "simulation"))
     begin = time.monotonic()
     with LocalDeployment(root) as deployment:
@@ -289,6 +294,9 @@ def main(argv=None) -> None:
                              "an N that does not fit (default 450)")
     parser.add_argument("--superexec-poll", type=float, default=None,
                         help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL for the SuperNodes' SuperExec (Flower's default: 1 s)")
+    parser.add_argument("--model", default="",
+                        help="--task text: a causal LM (a folder, or smollm2-135m) scoring SST-2's label words with "
+                             "its own head, every weight trained (default: all-MiniLM-L6-v2's classification head)")
     parser.add_argument("--resident", choices=("none", "per-node", "shared"), default="none",
                         help="SuperNodes in process isolation with zo-byzantine-resident running their messages (one "
                              "per SuperNode, or one shared by all) instead of a ClientApp process per message")
@@ -300,6 +308,8 @@ def main(argv=None) -> None:
         parser.error(f"--nodes {args.nodes!r}: expected comma-separated counts >= 2 (CWTM with one Byzantine node)")
     if args.rounds < 2:
         parser.error(f"--rounds {args.rounds}: expected >= 2 (round 0 also registers the nodes)")
+    if args.model and args.task != "text":
+        parser.error(f"--model {args.model!r} is for --task text")
     if args.task == "text" and not os.path.isfile(SST2):
         parser.error(f"--task text reads SST-2 from {os.path.abspath(SST2)}, which is missing")
     results = []
@@ -313,7 +323,7 @@ def main(argv=None) -> None:
         root = tempfile.mkdtemp(prefix=f"flower_round_{args.task}_{n}_", dir=args.keep or None)
         try:
             result = deploy(args.task, n, args.rounds, root, args.timeout, args.examples_per_client,
-                            args.superexec_poll, args.resident)
+                            args.superexec_poll, args.resident, args.model)
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)

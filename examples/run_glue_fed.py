@@ -37,11 +37,7 @@ from typing import Literal, get_type_hints
 import huggingface_hub
 import torch
 from transformers import (
-    MODEL_FOR_MASKED_LM_MAPPING,
-    AutoConfig,
     AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
@@ -58,7 +54,7 @@ from zo_byzantine.features import FeatureHead, Features, collate_features, embed
 from zo_byzantine.federation import dataset_labels, partition_dataset
 from zo_byzantine.metrics import compute_metrics_fn
 from zo_byzantine.models import SHIPPED, convert
-from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids
+from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids, load_prompt_lm
 from zo_byzantine.tasks import load_hub_split, load_local_split, load_task, sample, sample_per_class
 from zo_byzantine.validation import check_integer
 
@@ -259,26 +255,15 @@ def check_offline(model_args: ModelArguments, data_args: DataArguments) -> None:
 def load_model(model_args: ModelArguments, num_labels: int):
     """(model, tokenizer, kind): the transformers model with its head, before any wrapping; kind is the prompt kind
     (``masked_lm``/``causal_lm``) or ``seq_cls``."""
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+    if model_args.head != "seq_cls":
+        return load_prompt_lm(model_args.model_name_or_path, model_args.prompt_kind)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if model_args.head == "seq_cls":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id
-        )
-        return model, tokenizer, "seq_cls"
-    kind = model_args.prompt_kind
-    if kind == "auto":
-        kind = "masked_lm" if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder else "causal_lm"
-    auto = AutoModelForMaskedLM if kind == "masked_lm" else AutoModelForCausalLM
-    model, info = auto.from_pretrained(model_args.model_name_or_path, output_loading_info=True)
-    head = sorted(k for k in info["missing_keys"] if not k.startswith(f"{model.base_model_prefix}."))
-    if head:  # the label words would be scored by a head drawn at random
-        raise ValueError(f"--head prompt needs the model's LM head, and {model_args.model_name_or_path!r} has none "
-                         f"({len(head)} head weights missing, e.g. {head[0]}): use --head seq_cls, or a masked/causal "
-                         "LM checkpoint (python -m zo_byzantine.models smollm2-135m gives one).")
-    return model, tokenizer, kind
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id
+    )
+    return model, tokenizer, "seq_cls"
 
 
 def select_trainable(model, model_args: ModelArguments, kind: str):

