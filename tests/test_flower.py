@@ -3,10 +3,12 @@ Trainer, strict parsing of every record, hostile replies rejected or sanitised a
 replies, catch-up from the ledger, refused plans, configuration errors."""
 
 import math
+import os
 
 import pytest
 import torch
 from flower_helpers import (
+    EXAMPLE_APP,
     LoopbackGrid,
     assert_same_rounds,
     coordinator,
@@ -542,6 +544,17 @@ def test_text_task_with_a_causal_lms_prompt_writes_the_trainers_ledger(tmp_path)
     assert sum(p.numel() for p in coord.replica.table.params) == sum(
         p.numel() for p in LlamaForCausalLM.from_pretrained(folder).parameters())  # every weight (head tied)
     assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+
+
+def test_every_task_key_the_example_reads_is_declared_in_its_pyproject():
+    """Flower refuses a run config key its app does not declare (``flwr run`` fails before any round)."""
+    import re
+
+    with open(os.path.join(EXAMPLE_APP, "zo_flower_app", "task.py")) as f:
+        read = set(re.findall(r'config\.get\("(task-[a-z-]+)"', f.read()))
+    with open(os.path.join(EXAMPLE_APP, "pyproject.toml")) as f:  # (tomllib: Python 3.11+)
+        declared = set(re.findall(r"^(task-[a-z-]+) = ", f.read(), flags=re.MULTILINE))
+    assert {"task-head", "task-template", "task-model"} <= read and read <= declared, read - declared
 
 
 def test_text_task_refuses_a_prompt_head_on_a_model_without_one_and_an_unknown_head(tmp_path):
