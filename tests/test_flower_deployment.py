@@ -79,13 +79,14 @@ def _wait_for_rounds(out, count: int, deadline: float, deployment) -> list[dict]
 
 
 @pytest.mark.skipif(not os.environ.get("ZO_FLOWER_FAULTS"), reason="minutes on 2 cores: set ZO_FLOWER_FAULTS=1")
-def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
+@pytest.mark.parametrize("resident", [False, True], ids=["clientapp-per-message", "resident"])
+def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path, resident):
     """SIGKILL one SuperNode after round 0: the run goes on (its round aggregates the replies received: Flower
     answers for the dead node with an error reply once its heartbeats stop, or the deadline passes); a new SuperNode
     with the same node config registers (a query beside a round's plans: it takes part from the next round),
     receives every ledger round in its next plan (no weights), replays them and answers, which it does only when its
     weights' SHA-256 fingerprint equals the server's replica (bitwise the same weights; a node that differs
-    refuses)."""
+    refuses). With a resident runtime, the node's runtime is killed with it (the machine went down)."""
     out = tmp_path / "server_out"
     # 8 rounds: the restarted SuperNode's start and its registration query take tens of seconds on a loaded machine,
     # while a round of the others takes a few; it must be back with rounds to spare
@@ -95,12 +96,13 @@ def test_a_killed_supernode_restarts_and_catches_up_from_the_ledger(tmp_path):
     with LocalDeployment(tmp_path) as deployment:
         deployment.start_superlink()
         for i in range(3):
-            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": 3})
+            deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": 3}, resident=resident)
         deployment.start_run(EXAMPLE_APP, config)
         _wait_for_rounds(out, 1, deadline, deployment)
         deployment.stop_process("node2", grace=0.1)  # SIGTERM, then SIGKILL of its whole process group
+        deployment.stop_process("node2-resident", grace=0.1)
         _wait_for_rounds(out, 2, deadline, deployment)
-        deployment.start_supernode("node2-restarted", {"partition-id": 2, "num-partitions": 3})
+        deployment.start_supernode("node2-restarted", {"partition-id": 2, "num-partitions": 3}, resident=resident)
         log = _wait_for_rounds(out, 8, deadline, deployment)
     summary = [(r["round"], r["accepted"], r["catch_up"], r["problems"]) for r in log]
     print("killed and restarted node:", summary)
