@@ -2,6 +2,7 @@
 Trainer, strict parsing of every record, hostile replies rejected or sanitised and logged, deadlines and too-few
 replies, catch-up from the ledger, refused plans, configuration errors."""
 
+import json
 import math
 import os
 
@@ -519,9 +520,15 @@ def _sentences_tsv(tmp_path, count: int = 80):
     return data
 
 
-def test_text_task_with_a_causal_lms_prompt_writes_the_trainers_ledger(tmp_path):
+PARTIAL = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+           "model.norm": "disk", "lm_head": "cpu"}  # one layer and the final norm offloaded to disk
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "disk-offloaded"])
+def test_text_task_with_a_causal_lms_prompt_writes_the_trainers_ledger(tmp_path, offload):
     """``task-head = "prompt"``: a (tiny) Llama scores SST-2's causal label words with its own LM head, every weight
-    trained; the deployment writes the Trainer's ledger."""
+    trained; the deployment writes the Trainer's ledger. Dispatched with disk offload (``task-device-map``), on the
+    server and every node, it writes the same ledger and reaches the same weights, bitwise."""
     from prompt_helpers import byte_bpe
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -535,15 +542,27 @@ def test_text_task_with_a_causal_lms_prompt_writes_the_trainers_ledger(tmp_path)
     config = run_config(rounds=2, task="zo_flower_app.task:text", **{
         "task-model": str(folder), "task-data": str(_sentences_tsv(tmp_path)), "task-examples": 60,
         "task-eval-examples": 20, "task-head": "prompt", "eval-every": 2})
-    grid = LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}}))
-    coord = coordinator(config, grid)
-    coord.run(grid)
+    ran = {}
+    for placed in (False, True) if offload else (False,):
+        if placed:
+            config = {**config, "task-device-map": json.dumps(PARTIAL), "task-offload-folder": str(tmp_path / "off")}
+        grid = LoopbackGrid(config, nodes(3, **{"0": {"attack": "gaussian"}}))
+        coord = coordinator(config, grid)
+        coord.run(grid)
+        assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+        ran[placed] = coord.ledger.to_dict()["rounds"], node_weights(grid, 101), coord
+    if offload:
+        from zo_byzantine.offload import is_offloaded
+
+        assert is_offloaded(coord.task.model)  # (the nodes build theirs from the same config)
+        (rounds_m, weights_m, _), (rounds_o, weights_o, _) = ran[False], ran[True]
+        assert rounds_m == rounds_o and all(torch.equal(a, b) for a, b in zip(weights_m, weights_o, strict=True))
+        return
     assert type(coord.task.model).__name__ == "PromptModel" and coord.task.model.kind == "causal_lm"
     reference, _ = trainer_ledger(config, tmp_path / "reference", attack="gaussian")
     assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
     assert sum(p.numel() for p in coord.replica.table.params) == sum(
         p.numel() for p in LlamaForCausalLM.from_pretrained(folder).parameters())  # every weight (head tied)
-    assert all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
 
 
 def test_every_task_key_the_example_reads_is_declared_in_its_pyproject():
@@ -555,6 +574,26 @@ def test_every_task_key_the_example_reads_is_declared_in_its_pyproject():
     with open(os.path.join(EXAMPLE_APP, "pyproject.toml")) as f:  # (tomllib: Python 3.11+)
         declared = set(re.findall(r"^(task-[a-z-]+) = ", f.read(), flags=re.MULTILINE))
     assert {"task-head", "task-template", "task-model"} <= read and read <= declared, read - declared
+
+
+def test_a_node_refuses_a_schedule_its_offloaded_model_cannot_run(tmp_path, caplog):
+    from prompt_helpers import byte_bpe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "llama"
+    tokenizer = byte_bpe(roberta=False)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config = run_config(rounds=1, task="zo_flower_app.task:text", zo_schedule="antithetic", **{
+        "task-model": str(folder), "task-data": str(_sentences_tsv(tmp_path)), "task-examples": 60,
+        "task-eval-examples": 0, "task-head": "prompt", "task-device-map": json.dumps(PARTIAL),
+        "task-offload-folder": str(tmp_path / "off")})
+    grid = LoopbackGrid(config, nodes(3))
+    coord = coordinator(config, grid)
+    coord.run(grid)
+    reasons = [p["reason"] for r in coord.rounds_log for p in r["problems"]]
+    assert len(reasons) == 3 and all("zo_schedule='antithetic'" in r and "offloaded" in r for r in reasons), reasons
 
 
 def test_text_task_refuses_a_prompt_head_on_a_model_without_one_and_an_unknown_head(tmp_path):

@@ -54,7 +54,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightStream", "check_offload_settings", "is_offloaded", "stream_of", "stream_weights"]
+__all__ = ["WeightStream", "check_offload_schedule", "check_offload_settings", "is_offloaded", "stream_of",
+           "stream_weights"]
 
 ALIGN = max(4096, mmap.PAGESIZE)  # each tensor's offset in the store: pages of its own (dropped one tensor at a time)
 DEFAULT_WINDOW = 32 << 20  # bytes read ahead of the running module (at least the next module; 0: no read-ahead)
@@ -152,6 +153,16 @@ def check_offload_settings(args, model: nn.Module) -> None:
     if args.server_optimizer != "sgd":
         raise ValueError(f"server_optimizer={args.server_optimizer!r} keeps a dense state of 3 d values in memory, and "
                          f"{why}. Accepted with offload: 'sgd'.")
+    check_offload_schedule(args, model)
+
+
+def check_offload_schedule(args, model: nn.Module) -> None:
+    """The part of :func:`check_offload_settings` a client checks (a Flower node: the dense settings are refused for
+    every deployment): the schedules an offloaded model cannot run. ``args``: ``zo_schedule``,
+    ``zo_cache_budget_gb``, ``num_perturbations``, ``local_steps``."""
+    if not is_offloaded(model):
+        return
+    why = "the model is offloaded (accelerate device_map with 'cpu'/'disk' entries)"
     if args.zo_schedule == "antithetic":
         raise ValueError(f"zo_schedule='antithetic' evaluates +mu and -mu in stacked forwards (each module's weights "
                          f"copied once per model, out of place, doubled activations), and {why}: a streamed layer is "

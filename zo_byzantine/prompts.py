@@ -106,11 +106,12 @@ def _split(lm: nn.Module):
 
 
 def load_prompt_lm(name_or_path: str, kind: str = "auto", argument: str = "--head prompt",
-                   alternative: str = "--head seq_cls"):
+                   alternative: str = "--head seq_cls", **placement):
     """``(lm, tokenizer, kind)`` for prompt scoring: the checkpoint's masked LM (a masked-LM architecture that is not
     a decoder, for ``kind="auto"``) or causal LM with its head, and its tokenizer (padding with EOS where it has no
     pad token). Refuses, naming ``argument`` and the ``alternative`` setting, a checkpoint without the LM head's
-    weights (the label words would be scored by a head drawn at random); refuses an unknown ``kind``."""
+    weights (the label words would be scored by a head drawn at random); refuses an unknown ``kind``.
+    ``placement``: ``from_pretrained``'s ``device_map``, ``max_memory``, ``offload_folder``."""
     from transformers import (
         MODEL_FOR_MASKED_LM_MAPPING,
         AutoConfig,
@@ -128,7 +129,7 @@ def load_prompt_lm(name_or_path: str, kind: str = "auto", argument: str = "--hea
     if kind == "auto":
         kind = "masked_lm" if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder else "causal_lm"
     auto = AutoModelForMaskedLM if kind == "masked_lm" else AutoModelForCausalLM
-    lm, info = auto.from_pretrained(name_or_path, output_loading_info=True)
+    lm, info = auto.from_pretrained(name_or_path, output_loading_info=True, **placement)
     head = sorted(k for k in info["missing_keys"] if not k.startswith(f"{lm.base_model_prefix}."))
     if head:
         raise ValueError(f"{argument} needs the model's LM head, and {name_or_path!r} has none ({len(head)} head "

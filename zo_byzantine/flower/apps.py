@@ -91,6 +91,7 @@ def kept_node(context: Context, deployment: Deployment):
     with :func:`keep_in_memory` on, kept from this process's earlier plans while the replica is in sync
     (:attr:`Replica.in_sync`; what was kept for other runs, and for this node under another config, is released
     before a new one is built)."""
+    from ..offload import check_offload_schedule
     from .replica import Replica
 
     key = (context.run_id, context.node_id, json.dumps(dict(context.run_config), sort_keys=True, default=repr))
@@ -99,6 +100,7 @@ def kept_node(context: Context, deployment: Deployment):
         for other in [k for k in _KEPT if k[0] != key[0] or k[1] == key[1]]:
             del _KEPT[other]
         task: Task = build_task(deployment, context.run_config)
+        check_offload_schedule(deployment.args, task.model)  # a model dispatched with offload: what it cannot run
         kept = (task, Replica(task.model, deployment.args))
         if _KEEPING[0]:
             _KEPT[key] = kept

@@ -13,6 +13,10 @@
               prompt      the model's own LM head scores the label words of task-template's prompt (a task of
                           tasks/, sst2 by default: "Review: {text_a}\nSentiment:" -> " negative"/" positive" for a
                           causal LM); every weight is trained; a model without an LM head is refused
+              A model larger than the node's memory: task-device-map (JSON: module -> "cpu", "disk" or a device;
+              or "auto"; "": all in memory), task-max-memory (JSON, e.g. {"cpu": "150MB"}), task-offload-folder, as
+              transformers' from_pretrained takes them; the rounds stream the offloaded weights (README, "Models
+              larger than the client's memory")
 """
 
 from __future__ import annotations
@@ -77,6 +81,30 @@ def _rows(path: str, count: int) -> list[tuple[str, int]]:
 HEADS = ("classifier", "prompt")
 
 
+def _placement(config: dict) -> dict:
+    """``from_pretrained``'s placement arguments from task-device-map, task-max-memory, task-offload-folder."""
+    import json
+
+    placement = {}
+    for key, name in (("task-device-map", "device_map"), ("task-max-memory", "max_memory")):
+        value = str(config.get(key, ""))
+        if not value:
+            continue
+        if key == "task-device-map" and value in ("auto", "balanced", "sequential"):
+            placement[name] = value
+            continue
+        try:
+            placement[name] = json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"{key}={value!r}: expected JSON (e.g. {{\"model.layers.1\": \"disk\", ...}})"
+                             f"{' or auto' if key == 'task-device-map' else ''}: {error}") from None
+    if config.get("task-offload-folder", ""):
+        placement["offload_folder"] = str(config["task-offload-folder"])
+    if placement and "device_map" not in placement:
+        raise ValueError("task-max-memory and task-offload-folder need task-device-map (e.g. \"auto\").")
+    return placement
+
+
 def text(config: dict) -> Task:
     """The ``text`` task (see the module docstring)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
@@ -100,19 +128,21 @@ def text(config: dict) -> Task:
     train, held_out = int(config.get("task-examples", 256)), int(config.get("task-eval-examples", 256))
     length = int(config.get("task-max-length", 64))
     rows = _rows(data, train + held_out)
+    placement = _placement(config)
     torch.manual_seed(int(config.get("task-model-seed", 0)))
     if head == "prompt":
         from zo_byzantine.prompts import PromptModel, encode_example, label_token_ids, load_prompt_lm
         from zo_byzantine.tasks import load_task
 
         spec = load_task(str(config.get("task-template", "sst2")))
-        lm, tokenizer, kind = load_prompt_lm(path, argument="task-head='prompt'", alternative="task-head='classifier'")
+        lm, tokenizer, kind = load_prompt_lm(path, argument="task-head='prompt'", alternative="task-head='classifier'",
+                                             **placement)
         model = PromptModel(lm, label_token_ids(spec, tokenizer, kind), kind, tokenizer.mask_token_id)
         encoded = [encode_example({"text_a": sentence, "text_b": None, "label": label}, spec, tokenizer, kind, length)
                    for sentence, label in rows]
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, **placement)
         if config.get("task-head-only", True):
             for name, param in model.named_parameters():
                 param.requires_grad = name.startswith("classifier")
