@@ -187,11 +187,11 @@ def breakdown(rounds_log: list[dict], timings: list[dict]) -> dict:
 
 
 def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_client: int,
-           poll: float | None = None, resident: str = "none", model: str = "") -> dict:
+           poll: float | None = None, resident: str = "none", model: str = "", idle_poll: float | None = None) -> dict:
     out = os.path.join(root, "server_out")
     config = run_config(task, nodes, rounds, out, per_client, model)
     result = {"task": task + (f" ({model})" if model else ""), "nodes": nodes, "rounds": rounds,
-              "superexec_poll_s": poll, "resident": resident}
+              "superexec_poll_s": poll, "resident": resident, "idle_poll_s": idle_poll}
     result["simulation_round_s"] = simulation_round(config, os.path.join(root, "simulation"))
     begin = time.monotonic()
     with LocalDeployment(root) as deployment:
@@ -201,7 +201,8 @@ def deploy(task: str, nodes: int, rounds: int, root: str, timeout: float, per_cl
         deployment.start_superlink()
         for i in range(nodes):
             deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": nodes},
-                                       resident={"none": False, "per-node": True, "shared": "shared"}[resident])
+                                       resident={"none": False, "per-node": True, "shared": "shared"}[resident],
+                                       idle_poll=idle_poll)
         if resident == "shared":
             deployment.start_resident("resident", [f"node{i}" for i in range(nodes)])
         groups = {name: process.pid for name, process in deployment.processes.items()}
@@ -263,6 +264,8 @@ def show(result: dict) -> None:
     poll = result["superexec_poll_s"]
     runtime = f"resident runtime: {result['resident']}" if result["resident"] != "none" else \
         f"SuperExec poll {'1 s, Flower default' if poll is None else f'{poll:g} s'}"
+    if result.get("idle_poll_s") is not None:
+        runtime += f"; SuperNode waits capped at {result['idle_poll_s']:g} s"
     print(f"\n{result['task']}, {result['nodes']} nodes, {result['rounds_done']}/{result['rounds']} rounds "
           f"({runtime}) "
           f"({result['rounds_accepted']} with every node accepted), wall {result['wall_s']:.0f} s")
@@ -300,6 +303,9 @@ def main(argv=None) -> None:
     parser.add_argument("--resident", choices=("none", "per-node", "shared"), default="none",
                         help="SuperNodes in process isolation with zo-byzantine-resident running their messages (one "
                              "per SuperNode, or one shared by all) instead of a ClientApp process per message")
+    parser.add_argument("--idle-poll", type=float, default=None,
+                        help="start the SuperNodes with zo-byzantine-supernode --idle-poll S (Flower's fixed 3 s and "
+                             "0.5 s waits capped at S) instead of flower-supernode")
     parser.add_argument("--keep", default="", help="a folder to keep the deployments' files in (default: removed)")
     parser.add_argument("--json", default="", help="write the results to this file too")
     args = parser.parse_args(argv)
@@ -323,7 +329,7 @@ def main(argv=None) -> None:
         root = tempfile.mkdtemp(prefix=f"flower_round_{args.task}_{n}_", dir=args.keep or None)
         try:
             result = deploy(args.task, n, args.rounds, root, args.timeout, args.examples_per_client,
-                            args.superexec_poll, args.resident, args.model)
+                            args.superexec_poll, args.resident, args.model, args.idle_poll)
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)

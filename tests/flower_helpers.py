@@ -250,18 +250,21 @@ class LocalDeployment:
         raise RuntimeError(f"the SuperLink did not start: {self.tail('superlink')}")
 
     def start_supernode(self, name: str, node_config: dict, private_key: str | None = None,
-                        resident: bool | str = False) -> None:
+                        resident: bool | str = False, idle_poll: float | None = None) -> None:
         """Start SuperNode ``name``; its store (node config ``store-dir``, unless given) is under ``root``.
         ``resident``: the SuperNode in ``process`` isolation (no ClientApp process per message), authenticated to
         its runtime by the deployment's secret file; ``True`` also starts a resident runtime for it alone
-        (process ``<name>-resident``), ``"shared"`` leaves it to :meth:`start_resident`."""
+        (process ``<name>-resident``), ``"shared"`` leaves it to :meth:`start_resident`. ``idle_poll``: started
+        by ``zo-byzantine-supernode --idle-poll`` (Flower's waits capped) instead of ``flower-supernode``."""
         node_config = {"store-dir": os.path.join(self.root, "stores"), **node_config}
         config = " ".join(f"{k}={_toml_value(v)}" for k, v in node_config.items())
         security = ["--root-certificates", self.certificates["ca.crt"]] if self.certificates else ["--insecure"]
         key = ["--auth-supernode-private-key", private_key] if private_key else []
         self.runtime_ports[name] = free_port()
         isolation = ["--isolation", "process", "--superexec-auth-secret-file", self.secret] if resident else []
-        self._start(name, ["flower-supernode", *security, *key, "--superlink", f"127.0.0.1:{self.port}",
+        launcher = ["python", "-m", "zo_byzantine.flower.supernode", "--idle-poll", str(idle_poll)] \
+            if idle_poll is not None else ["flower-supernode"]
+        self._start(name, [*launcher, *security, *key, "--superlink", f"127.0.0.1:{self.port}",
                            "--port", str(self.runtime_ports[name]), "--node-config", config, *isolation])
         if resident is True:
             self.start_resident(f"{name}-resident", [name])

@@ -660,3 +660,20 @@ def test_a_kept_node_whose_weights_drift_refuses_then_starts_over_from_a_new_tas
     assert any("weights differ from the server's" in p["reason"] for p in entry["problems"])
     assert coord.round(grid, 3)["catch_up"] == [1]  # a new replica at the start weights asks for every round
     assert len(keeping) == built + 1 and coord.applied[101] == 0
+
+
+def test_the_supernode_launcher_caps_flowers_waits_only(monkeypatch):
+    import importlib
+    import time
+
+    from zo_byzantine.flower import supernode
+
+    loop = importlib.import_module(supernode.LOOP)
+    monkeypatch.setattr(loop, "time", time)  # restored after the test
+    assert supernode.cap_waits(0.05) and isinstance(loop.time, supernode.CappedTime)
+    start = time.monotonic()
+    loop.time.sleep(3)  # the SuperNode's wait after an empty poll
+    assert time.monotonic() - start < 1.0 and loop.time.monotonic is time.monotonic  # the rest of time unchanged
+    assert not supernode.cap_waits(0.05)  # already capped: not Flower's loop as expected any more
+    with pytest.raises(ValueError, match=r"--idle-poll 0: expected seconds > 0"):
+        supernode.cap_waits(0)

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow  # each test starts a SuperLink and SuperNodes
 @pytest.mark.parametrize("resident", [False, True, "shared"], ids=["clientapp-per-message", "resident", "shared"])
 def test_loopback_deployment_writes_the_trainers_ledger(tmp_path, resident):
     """However a node runs its messages (a ClientApp process each; its resident runtime: every plan of the node in
-    one process, its weights kept in memory; one resident runtime for all nodes), the deployment writes the
-    Trainer's ledger."""
+    one process, its weights kept in memory, the SuperNode started by ``zo-byzantine-supernode`` with its waits
+    capped; one resident runtime for all nodes), the deployment writes the Trainer's ledger."""
     out = tmp_path / "server_out"
     n = 3
     config = run_config(rounds=3, **{"output-dir": str(out), "min-nodes": n, "round-timeout": 120.0})
@@ -43,7 +43,8 @@ def test_loopback_deployment_writes_the_trainers_ledger(tmp_path, resident):
         deployment.start_superlink()
         for i in range(n):  # node 0 is Byzantine: Gaussian noise instead of its scalars (a client-mountable attack)
             deployment.start_supernode(f"node{i}", {"partition-id": i, "num-partitions": n,
-                                                    **({"attack": "gaussian"} if i == 0 else {})}, resident=resident)
+                                                    **({"attack": "gaussian"} if i == 0 else {})}, resident=resident,
+                                       idle_poll=0.2 if resident is True else None)
         if resident == "shared":
             deployment.start_resident("resident", [f"node{i}" for i in range(n)])
         result = deployment.run(EXAMPLE_APP, config, timeout=240)
