@@ -570,10 +570,11 @@ def test_every_task_key_the_example_reads_is_declared_in_its_pyproject():
     import re
 
     with open(os.path.join(EXAMPLE_APP, "zo_flower_app", "task.py")) as f:
-        read = set(re.findall(r'config\.get\("(task-[a-z-]+)"', f.read()))
+        read = set(re.findall(r'"(task-[a-z-]+)"', f.read()))  # every key the task names
     with open(os.path.join(EXAMPLE_APP, "pyproject.toml")) as f:  # (tomllib: Python 3.11+)
         declared = set(re.findall(r"^(task-[a-z-]+) = ", f.read(), flags=re.MULTILINE))
-    assert {"task-head", "task-template", "task-model"} <= read and read <= declared, read - declared
+    assert {"task-head", "task-template", "task-model", "task-device-map", "task-max-memory"} <= read <= declared, \
+        read - declared
 
 
 def test_a_node_refuses_a_schedule_its_offloaded_model_cannot_run(tmp_path, caplog):

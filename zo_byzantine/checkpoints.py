@@ -57,6 +57,8 @@ def missing_untied(model, missing_keys: list[str]) -> list[str]:
     missing = set(missing_keys)
     by_storage: dict[tuple, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.device.type == "meta" or tensor.numel() == 0:  # no storage to share (data_ptr 0 for all)
+            continue
         by_storage.setdefault((tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                                tuple(tensor.shape)), set()).add(name)
     loaded_through = {name for names in by_storage.values() if names - missing for name in names}

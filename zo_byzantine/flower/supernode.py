@@ -3,7 +3,8 @@
     zo-byzantine-supernode --idle-poll 0.2 <flower-supernode's arguments>
 
 Flower 1.42's SuperNode waits a fixed 3 s after asking the SuperLink for a message and finding none, and looks for
-its ClientApp's reply every 0.5 s (``flwr.supernode.start_client_internal``; no setting changes either): a round of a
+its ClientApp's reply (and the reply's contents) every 0.5 s (``flwr.supernode.start_client_internal``; no setting
+changes either): a round of a
 federation whose nodes answer in milliseconds takes 3-4.5 s however fast they are (benchmarks/README). This launcher
 runs Flower's own ``flower-supernode`` with every wait of that loop capped at ``--idle-poll`` seconds, and nothing
 else changed. The price: an idle SuperNode asks the SuperLink ``1 / idle-poll`` times a second (64 nodes at 0.2 s:
@@ -56,7 +57,7 @@ def cap_waits(cap: float) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zo-byzantine-supernode", description=__doc__.split("\n\n")[0],
-                                     epilog="Every other argument goes to flower-supernode.")
+                                     epilog="Every other argument goes to flower-supernode.", allow_abbrev=False)
     parser.add_argument("--idle-poll", type=float, default=0.2,
                         help="the most seconds the SuperNode waits before asking again (Flower: 3 s, 0.5 s)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

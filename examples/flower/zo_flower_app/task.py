@@ -94,10 +94,13 @@ def _placement(config: dict) -> dict:
             placement[name] = value
             continue
         try:
-            placement[name] = json.loads(value)
+            parsed = json.loads(value)
         except ValueError as error:
             raise ValueError(f"{key}={value!r}: expected JSON (e.g. {{\"model.layers.1\": \"disk\", ...}})"
                              f"{' or auto' if key == 'task-device-map' else ''}: {error}") from None
+        if name == "max_memory" and isinstance(parsed, dict):  # accelerate names a GPU by its index, an int
+            parsed = {int(k) if k.isdigit() else k: v for k, v in parsed.items()}
+        placement[name] = parsed
     if config.get("task-offload-folder", ""):
         placement["offload_folder"] = str(config["task-offload-folder"])
     if placement and "device_map" not in placement:
