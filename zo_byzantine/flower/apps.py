@@ -97,6 +97,7 @@ def kept_node(context: Context, deployment: Deployment):
     key = (context.run_id, context.node_id, json.dumps(dict(context.run_config), sort_keys=True, default=repr))
     kept = _KEPT.get(key)
     if kept is None or not kept[1].in_sync:
+        kept = None  # released with the others before a new model is built
         for other in [k for k in _KEPT if k[0] != key[0] or k[1] == key[1]]:
             del _KEPT[other]
         task: Task = build_task(deployment, context.run_config)
@@ -127,7 +128,7 @@ def client_app() -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         marks = {"started": time.time()}
-        from .node import answer  # the node's modules: imported by the messages that need them (not by a query)
+        from .node import PlanRefused, answer  # the node's modules: imported by the messages that need them
 
         marks["imported"] = time.time()
         store = NodeStore.of(context.node_config, context.node_id, context.run_id)
@@ -137,8 +138,10 @@ def client_app() -> ClientApp:
         marks["task_built"] = time.time()
         try:
             reply = answer(msg.content, context.state, deployment, task, node, store, replica, marks)
+        except PlanRefused:  # refused before any weight changed, or out of sync (then not in_sync: rebuilt)
+            raise
         except BaseException:
-            drop_kept(context)  # the next plan starts from the store
+            drop_kept(context)  # the weights in memory are no longer known: the next plan starts from the store
             raise
         if os.environ.get(TIMINGS_ENV) == "1":
             record_timings(store, marks, msg, reply, context)
