@@ -141,21 +141,25 @@ def spread(values: list[float]) -> str:
 def report(args) -> str:
     """The table in DeComFL's layout (mean ± std over the seeds finished; n = seeds per cell)."""
     rows = {"zero-shot": {}, **{cell: {} for cell in args.cells}}
+    finals = {cell: {} for cell in args.cells}
     for task in args.tasks:
         for cell in args.cells:
             found = [result(os.path.join(args.out, args.config, f"{task}_{cell}_s{s}")) for s in args.seeds]
             found = [r for r in found if r is not None]
             rows[cell][task] = [r["best"] for r in found]
+            finals[cell][task] = [r["final"] for r in found]
             if cell == "none":
                 rows["zero-shot"][task] = [r["start"] for r in found]
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
              "sf": "FedByZO, SF (CWTM)", "first_order": "first order (reference)"}
-    lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy (mean ± std over seeds, n)", "",
+    lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
+             "the final one (mean ± std over seeds, n)", "",
              f"`python experiments/smollm2/table.py --config {args.config} --report`; settings: "
              f"`{' '.join(CONFIGS[args.config]['flags'] + FEDERATION)}`", "",
              "| | " + " | ".join(args.tasks) + " |", "|---" * (len(args.tasks) + 1) + "|"]
     for row, by_task in rows.items():
-        cells = [f"{spread(by_task.get(t, []))} (n={len(by_task.get(t, []))})" for t in args.tasks]
+        cells = [f"{spread(by_task.get(t, []))}" + (f", final {spread(finals[row][t])}" if row in finals else "")
+                 + f" (n={len(by_task.get(t, []))})" for t in args.tasks]
         lines.append(f"| {names[row]} | " + " | ".join(cells) + " |")
     lines += ["", "DeComFL Table 1 (OPT-125m, FO-SGD / MeZO / DeComFL P=10): "
               + "; ".join(f"{t} {' / '.join(map(str, REFERENCE[t]))}" for t in args.tasks if t in REFERENCE)]
