@@ -58,6 +58,7 @@ __all__ = ["WeightStream", "check_offload_schedule", "check_offload_settings", "
            "stream_weights"]
 
 ALIGN = max(4096, mmap.PAGESIZE)  # each tensor's offset in the store: pages of its own (dropped one tensor at a time)
+OFFLOADED = "the model is offloaded (accelerate device_map with 'cpu'/'disk' entries)"  # the refusals' reason
 DEFAULT_WINDOW = 32 << 20  # bytes read ahead of the running module (at least the next module; 0: no read-ahead)
 M_MMAP_THRESHOLD = -3  # glibc malloc.h
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # linux/mman.h; POPULATE_WRITE since Linux 5.14 (skipped where refused)
@@ -143,16 +144,15 @@ def check_offload_settings(args, model: nn.Module) -> None:
     naming each setting and what is accepted. ``args``: :class:`ZOByzantineArguments`."""
     if not is_offloaded(model):
         return
-    why = "the model is offloaded (accelerate device_map with 'cpu'/'disk' entries)"
     if args.estimator in ("first_order", "gradient_projection"):
-        raise ValueError(f"estimator={args.estimator!r} needs backprop gradients of every weight, and {why}: its "
+        raise ValueError(f"estimator={args.estimator!r} needs backprop gradients of every weight, and {OFFLOADED}: its "
                          "streamed layers keep no gradients. Accepted with offload: 'two_point', 'one_point'.")
     if args.aggregation_space != "projection":
         raise ValueError(f"aggregation_space={args.aggregation_space!r} holds every client's estimate in R^d "
-                         f"(n x d values in memory), and {why}. Accepted with offload: 'projection'.")
+                         f"(n x d values in memory), and {OFFLOADED}. Accepted with offload: 'projection'.")
     if args.server_optimizer != "sgd":
         raise ValueError(f"server_optimizer={args.server_optimizer!r} keeps a dense state of 3 d values in memory, and "
-                         f"{why}. Accepted with offload: 'sgd'.")
+                         f"{OFFLOADED}. Accepted with offload: 'sgd'.")
     check_offload_schedule(args, model)
 
 
@@ -162,20 +162,19 @@ def check_offload_schedule(args, model: nn.Module) -> None:
     ``zo_cache_budget_gb``, ``num_perturbations``, ``local_steps``."""
     if not is_offloaded(model):
         return
-    why = "the model is offloaded (accelerate device_map with 'cpu'/'disk' entries)"
     if args.zo_schedule == "antithetic":
         raise ValueError(f"zo_schedule='antithetic' evaluates +mu and -mu in stacked forwards (each module's weights "
-                         f"copied once per model, out of place, doubled activations), and {why}: a streamed layer is "
-                         "perturbed in place, once per forward. Accepted with offload: 'auto', 'two_forwards', "
-                         "'cached' (when the round's directions fit zo_cache_budget_gb).")
+                         f"copied once per model, out of place, doubled activations), and {OFFLOADED}: a streamed "
+                         "layer is perturbed in place, once per forward. Accepted with offload: 'auto', "
+                         "'two_forwards', 'cached' (when the round's directions fit zo_cache_budget_gb).")
     if args.zo_schedule == "cached":
         params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
         kept = 4 * sum(p.numel() for p in params) * args.num_perturbations * args.local_steps
         if kept > args.zo_cache_budget_gb * 2**30:
             raise ValueError(f"zo_schedule='cached' keeps the round's directions ({kept / 2**30:.3g} GB: nu x K x d "
-                             f"float32), more than zo_cache_budget_gb={args.zo_cache_budget_gb}, and {why}. Accepted: "
-                             "zo_schedule='auto' or 'two_forwards' (directions regenerated), or a zo_cache_budget_gb "
-                             "the client's memory holds.")
+                             f"float32), more than zo_cache_budget_gb={args.zo_cache_budget_gb}, and {OFFLOADED}. "
+                             "Accepted: zo_schedule='auto' or 'two_forwards' (directions regenerated), or a "
+                             "zo_cache_budget_gb the client's memory holds.")
 
 
 def _pread_into(fd: int, tensor: torch.Tensor, offset: int) -> None:

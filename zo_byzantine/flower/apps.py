@@ -28,17 +28,15 @@ from .config import Deployment, Task, build_task, node_deployment, read_node_con
 from .store import NodeStore
 
 TIMINGS_ENV, TIMINGS_FILE = "ZO_FLOWER_TIMINGS", "timings.jsonl"
-_KEPT: dict = {}  # kept_node's: {(run id, node id, run config): (task, replica)}, one run, one entry per node
-_KEEPING = [False]  # keep_in_memory's switch
+_KEPT: dict | None = None  # kept_node's {(run id, node id, run config): (task, replica)}; None: keeping is off
 
 
 def keep_in_memory(on: bool = True) -> None:
     """Whether :func:`kept_node` keeps each node's task and replica between the messages this process runs: on in
     the resident runtime (``resident``); off by default, where a process runs one message (Flower's ClientApp
     process) or plays many nodes' messages as fresh processes would (tests)."""
-    _KEEPING[0] = bool(on)
-    if not on:
-        _KEPT.clear()
+    global _KEPT
+    _KEPT = {} if on else None
 
 
 def server_app() -> ServerApp:
@@ -95,22 +93,23 @@ def kept_node(context: Context, deployment: Deployment):
     from .replica import Replica
 
     key = (context.run_id, context.node_id, json.dumps(dict(context.run_config), sort_keys=True, default=repr))
-    kept = _KEPT.get(key)
+    kept = _KEPT.get(key) if _KEPT is not None else None
     if kept is None or not kept[1].in_sync:
         kept = None  # released with the others before a new model is built
-        for other in [k for k in _KEPT if k[0] != key[0] or k[1] == key[1]]:
-            del _KEPT[other]
+        drop_kept(context, other_runs=True)
         task: Task = build_task(deployment, context.run_config)
         check_offload_schedule(deployment.args, task.model)  # a model dispatched with offload: what it cannot run
         kept = (task, Replica(task.model, deployment.args))
-        if _KEEPING[0]:
+        if _KEPT is not None:
             _KEPT[key] = kept
     return kept
 
 
-def drop_kept(context: Context) -> None:
-    """Forget what :func:`kept_node` keeps for this node (its weights in memory are no longer known)."""
-    for key in [k for k in _KEPT if k[:2] == (context.run_id, context.node_id)]:
+def drop_kept(context: Context, other_runs: bool = False) -> None:
+    """Forget what :func:`kept_node` keeps for this node (its weights in memory are no longer known), and with
+    ``other_runs`` what it keeps for other runs."""
+    for key in [k for k in _KEPT or () if k[:2] == (context.run_id, context.node_id)
+                or (other_runs and k[0] != context.run_id)]:
         del _KEPT[key]
 
 
