@@ -61,16 +61,22 @@ def agreements(vectors: torch.Tensor, f: int, cap: float) -> tuple[torch.Tensor,
     sqrt(nu)``; ALIE's ``omega sigma``, positive in every coordinate, has ``b = 1``), each as a robust z score over the
     round's rows; ``a_i = clamp(min(z_p, -|z_d|, -|z_b|, 0), -cap, 0)``. Capped at 0 above: agreeing more than the
     median earns nothing (an attacker cannot bank credit by copying the reference)."""
+    found, ref = statistics(vectors, f)
+    z = {name: robust_z(value) for name, value in found.items()}
+    worst = torch.minimum(torch.minimum(z["along"], -z["distance"].abs()), -z["balance"].abs())
+    return worst.clamp(-cap, 0.0).nan_to_num(nan=-cap), ref
+
+
+def statistics(vectors: torch.Tensor, f: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per row, before any scoring (float64): ``along`` ``p_i``, ``distance`` ``d_i`` and ``balance`` ``b_i`` of
+    :func:`agreements`, and the reference ``c`` they are measured against."""
     v = vectors.double()
     m = len(v)
     k = min(f, (m - 1) // 2)
     ref = sort_values(v, 0)[k : m - k].mean(dim=0)
     size = float(ref @ ref)
     along = v @ ref / size if size > 0 and math.isfinite(size) else torch.zeros(m, dtype=torch.float64)
-    dist = _row_norms(v - ref)
-    balance = torch.sign(v - ref).mean(dim=1)
-    worst = torch.minimum(torch.minimum(robust_z(along), -robust_z(dist).abs()), -robust_z(balance).abs())
-    return worst.clamp(-cap, 0.0).nan_to_num(nan=-cap), ref
+    return {"along": along, "distance": _row_norms(v - ref), "balance": torch.sign(v - ref).mean(dim=1)}, ref
 
 
 @register_aggregator("history")
