@@ -18,8 +18,9 @@ Two configurations (``CONFIGS``):
   updates: AVX-512 BF16 makes the forwards ~3x faster, the weights keep fp32's resolution), 300 rounds at a
   constant lr 1e-5 (MeZO's grid is 1e-7..1e-5 over 20,000 steps; we have 300): one cell fits a leg of two hours
   on this project's 2-core CPUs.
-- ``cpu_k512``: ``cpu`` with k = 512 (MeZO's larger few-shot setting; SST-2, seed 0): the same cost per round, ~7
-  passes over 1,024 examples instead of ~112 over 64 (whether ``cpu``'s flat validation accuracy is overfitting).
+- ``cpu_k512``: ``cpu`` with k = 512 (MeZO's larger few-shot setting): the same cost per round, ~7 passes over 1,024
+  examples instead of ~112 over 64. ``cpu``'s k = 32 overfitted its 64 SST-2 sentences (validation accuracy drifted
+  below zero-shot while the training loss fell; k = 512 rose above it), so this is the table's CPU configuration.
 - ``gpu``: DeComFL's (batch 32 per client, 10 perturbations, 1,000 rounds, the full training split's first 1,000
   examples per class).
 """
@@ -69,9 +70,9 @@ CONFIGS = {
         "seeds": [0, 1, 2],
     },
 }
-# cpu with MeZO's larger few-shot setting (k = 512: 1,024 SST-2 examples, ~7 passes in 300 rounds instead of ~112):
-# whether cpu's flat validation accuracy is overfitting of its 64 examples
-CONFIGS["cpu_k512"] = {**CONFIGS["cpu"], "tasks": ["sst2"], "seeds": [0],
+# cpu with MeZO's larger few-shot setting (k = 512: 1,024 examples, ~7 passes in 300 rounds instead of ~112): cpu's
+# k = 32 overfitted its 64 sentences, so this is the CPU configuration of the table
+CONFIGS["cpu_k512"] = {**CONFIGS["cpu"],
                        "flags": ["--num_train_per_class", "512", *CONFIGS["cpu"]["flags"][2:]]}
 REFERENCE = {  # DeComFL Table 1, OPT-125m, test accuracy: FO-SGD / MeZO / DeComFL P=10
     "sst2": (87.48, 83.99, 85.08),
