@@ -140,17 +140,19 @@ def spread(values: list[float]) -> str:
 
 
 def report(args) -> str:
-    """The table in DeComFL's layout (mean ± std over the seeds finished; n = seeds per cell)."""
+    """The table in DeComFL's layout (mean ± std over the seeds finished; n = seeds per cell; zero-shot: the start
+    evaluation of the seeds that have a finished cell)."""
     rows = {"zero-shot": {}, **{cell: {} for cell in args.cells}}
     finals = {cell: {} for cell in args.cells}
     for task in args.tasks:
+        starts = {}  # per seed, the start evaluation of any finished cell (every cell starts from the same weights)
         for cell in args.cells:
-            found = [result(os.path.join(args.out, args.config, f"{task}_{cell}_s{s}")) for s in args.seeds]
-            found = [r for r in found if r is not None]
-            rows[cell][task] = [r["best"] for r in found]
-            finals[cell][task] = [r["final"] for r in found]
-            if cell == "none":
-                rows["zero-shot"][task] = [r["start"] for r in found]
+            found = [(s, result(os.path.join(args.out, args.config, f"{task}_{cell}_s{s}"))) for s in args.seeds]
+            found = [(s, r) for s, r in found if r is not None]
+            rows[cell][task] = [r["best"] for _, r in found]
+            finals[cell][task] = [r["final"] for _, r in found]
+            starts.update({s: r["start"] for s, r in found})
+        rows["zero-shot"][task] = list(starts.values())
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
              "sf": "FedByZO, SF (CWTM)", "first_order": "first order (reference)"}
     lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
