@@ -76,7 +76,8 @@ def statistics(vectors: torch.Tensor, f: int) -> tuple[dict[str, torch.Tensor], 
     ref = sort_values(v, 0)[k : m - k].mean(dim=0)
     size = float(ref @ ref)
     along = v @ ref / size if size > 0 and math.isfinite(size) else torch.zeros(m, dtype=torch.float64)
-    return {"along": along, "distance": _row_norms(v - ref), "balance": torch.sign(v - ref).mean(dim=1)}, ref
+    residual = v - ref
+    return {"along": along, "distance": _row_norms(residual), "balance": torch.sign(residual).mean(dim=1)}, ref
 
 
 @register_aggregator("history")

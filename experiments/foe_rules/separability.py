@@ -92,7 +92,6 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "separability.md"))
     args = parser.parse_args(argv)
     runs = [(attack, float(omega)) for attack, _, omega in (r.partition(":") for r in args.runs)]
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     given = " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"Command: `{' '.join(['python experiments/foe_rules/separability.py', given]).strip()}`", "",
              f"MNIST, seed 0, plain CWTM, {args.rounds} rounds, means over rounds {args.skip}..{args.rounds}. Per "
