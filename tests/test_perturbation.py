@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import gaussian_like, tiny_bert
+from helpers import gaussian_like, tiny_bert, tiny_gpt2
 
 from zo_byzantine.perturbation import (
     COUNTER,
@@ -60,6 +60,38 @@ def test_perturbed_forward_sees_w_plus_cz_and_restores_exactly(dtype):
     assert not torch.equal(got, model(input_ids=ids).logits)  # the perturbation did something
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # bitwise: stored weights never written
+
+
+@pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2])
+def test_embeddings_are_perturbed_by_the_rows_they_read_with_the_same_bits(build):
+    """A plain embedding read without gradients gets only the rows its input reads (``perturb_rows``): the forward's
+    output is bitwise the one of the weights ``perturb`` forms whole (an obvious reference: written into a copy);
+    the draws count the rest of the model whole and, per embedding, those rows; a tied LM head (GPT-2) is drawn
+    whole by the head, and no perturbed table is held through the forward."""
+    model = build().eval()
+    table = ParameterTable(model)
+    terms = [(direction_seed(0, 0, 1, 0), 1e-3), (direction_seed(0, 0, 1, 1), -2e-3)]
+    ids = torch.tensor([[2, 10, 11, 12, 3], [2, 13, 14, 3, 0]])
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for j, p in ParameterTable(reference):
+            p.copy_(table.directions.perturb(p, j, terms))
+        expected = reference(input_ids=ids).logits
+        start = COUNTER.drawn
+        with perturbed(table, terms):
+            got = model(input_ids=ids).logits
+    assert torch.equal(got, expected)
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    read = {"word_embeddings": ids.unique().numel(), "wte": ids.unique().numel(), "position_embeddings": 5,
+            "wpe": 5, "token_type_embeddings": 1}
+    names = {id(m): name.split(".")[-1] for name, m in model.named_modules()}
+    tied = build is tiny_gpt2  # wte is also the head's weight: drawn whole there
+    whole = table.numel - sum(m.weight.numel() for m in embeddings) + (model.transformer.wte.weight.numel()
+                                                                     if tied else 0)
+    rows = sum(read[names[id(m)]] * m.embedding_dim for m in embeddings)
+    assert COUNTER.drawn - start == len(terms) * (whole + rows)
+    assert all(m.padding_idx == r.padding_idx for m, r in zip(model.modules(), reference.modules(), strict=True)
+               if isinstance(m, torch.nn.Embedding))
 
 
 def test_perturbed_restores_after_exception():

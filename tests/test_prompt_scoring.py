@@ -153,3 +153,70 @@ def test_smollm2_answer_position_losses_equal_the_full_head_s():
             sums, _ = PerExampleForward()(model, {"input_ids": ids, "attention_mask": mask, "labels": labels})
             expected = F.cross_entropy(logits, target, reduction="none")
             assert torch.allclose(sums.float(), expected, rtol=1e-4, atol=1e-5), (loss, sums, expected)
+
+
+def _perturbed_reference(lm, terms):
+    """The obvious reference: a copy of ``lm`` whose weights hold ``w + sum_k c_k z_k`` (the head's whole table)."""
+    import copy
+
+    from zo_byzantine.perturbation import ParameterTable
+
+    reference = copy.deepcopy(lm)
+    table = ParameterTable(lm)
+    with torch.no_grad():
+        for j, p in ParameterTable(reference):
+            p.copy_(table.directions.perturb(table.params[j], j, terms))
+    return reference, table
+
+
+def test_a_tied_head_is_read_at_the_label_words_rows_alone_under_perturbation():
+    """With the label-word loss and a head tied to the input embedding, a perturbed forward never runs the head: the
+    embedding is read at the prompt's tokens and at the label words, and only those rows are drawn (the whole tied
+    table never formed); the logits are the full perturbed head's at the scored position, within float32 rounding."""
+    from zo_byzantine.perturbation import COUNTER, direction_seed, perturbed
+
+    torch.manual_seed(0)
+    lm = _llama().eval()
+    ids, mask, labels = _batch("causal_lm", "right")
+    terms = [(direction_seed(0, 1, 0, 0), 1e-2), (direction_seed(0, 1, 0, 1), -3e-2)]
+    reference, table = _perturbed_reference(lm, terms)
+    model = PromptModel(lm, LABEL_IDS, "causal_lm").eval()
+    calls = []
+    hook = lm.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            expected = _full_head(reference, ids, mask, "causal_lm")[:, LABEL_IDS]
+            start = COUNTER.drawn
+            with perturbed(table, terms):
+                got = model(input_ids=ids, attention_mask=mask).logits
+            drawn = COUNTER.drawn - start
+    finally:
+        hook.remove()
+    assert not calls  # the [vocab, d] head never ran
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, model(input_ids=ids, attention_mask=mask).logits, atol=1e-3)  # it was perturbed
+    table_size = lm.model.embed_tokens.weight.numel()
+    rows = ids.unique().numel() + len(LABEL_IDS)  # the two lookups' rows (padding read too)
+    assert drawn == len(terms) * (table.numel - table_size + rows * lm.config.hidden_size)
+
+
+@pytest.mark.parametrize("per_group_products", [False, True])
+def test_stacked_groups_read_the_label_words_rows_as_separate_perturbed_forwards(per_group_products):
+    """Two groups of a stacked forward (the antithetic schedule, the clients' local models) score their label words
+    each at its own perturbed weights: the same logits as one perturbed forward per group."""
+    from zo_byzantine.perturbation import ParameterTable, direction_seed, perturbed, stacked
+
+    torch.manual_seed(0)
+    model = PromptModel(_llama(), LABEL_IDS, "causal_lm").eval()
+    ids, mask, _ = _batch("causal_lm", "left")
+    table = ParameterTable(model)
+    groups = [[(direction_seed(0, 2, 0, 0), 1e-2)], [(direction_seed(0, 2, 0, 0), -1e-2)]]
+    with torch.no_grad():
+        expected = []
+        for terms in groups:
+            with perturbed(table, terms):
+                expected.append(model(input_ids=ids, attention_mask=mask).logits)
+        with stacked(table, groups, len(ids), per_group_products=per_group_products):
+            got = model(input_ids=ids.repeat(2, 1), attention_mask=mask.repeat(2, 1)).logits
+    assert not torch.allclose(expected[0], expected[1], atol=1e-4)
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)

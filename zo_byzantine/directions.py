@@ -26,6 +26,7 @@ from .counter import _MASK64, GAMMA, MIX1, MIX2, counter_streams, counter_values
 from .validation import check_choice
 
 BLOCK_VALUES = 1 << 26  # a sum's directions drawn together, at most this many values (256 MB) at a time
+ROW_CHUNK = 1 << 16  # elements per chunk of a rows draw: its int64 temporaries stay a few MB
 DISTRIBUTIONS = ("gaussian", "rademacher")
 Terms = list[tuple[int, float]]  # (direction seed, coefficient) pairs: sum_k c_k z_k
 
@@ -153,14 +154,19 @@ class Directions:
     def perturb_rows(self, source: torch.Tensor, index: int, terms: Terms, rows: torch.Tensor,
                      cache: dict | None = None) -> torch.Tensor:
         """``perturb(source, index, terms, cache)[rows]``, summing only those rows (an embedding table's rows a
-        forward reads): the kept directions (``cache``; drawn whole once) are gathered and summed by the same
-        elementwise arithmetic, so the values are the same bits."""
+        forward reads): the kept directions (``cache``; drawn whole once) are gathered, or without a cache only
+        those rows are drawn (where ``draws_rows``), and summed by the same elementwise arithmetic, so the values
+        are the same bits."""
         if not terms:
             return source[rows]
-        if cache is None:
+        if cache is None and not self.draws_rows:
             return self.perturb(source, index, terms)[rows]
-        drawn = self._drawn(source, index, [seed for seed, _ in terms], cache)
-        gathered = {(seed, index): z[rows] for seed, z in drawn.items()}
+        if cache is None:  # only those rows drawn
+            gathered = {(seed, index): self.draw_rows(source, seed, index, rows) for seed in dict.fromkeys(
+                seed for seed, _ in terms)}
+        else:
+            drawn = self._drawn(source, index, [seed for seed, _ in terms], cache)
+            gathered = {(seed, index): z[rows] for seed, z in drawn.items()}
         return self.perturb(source[rows], index, terms, gathered)
 
 
@@ -232,14 +238,21 @@ class CounterDirections(Directions):
         return self._native(param)
 
     def draw_rows(self, like, seed, index, rows):
-        """Only those rows' elements are drawn (element ``k`` depends on ``(seed, index, k)`` alone)."""
+        """Only those rows' elements are drawn (element ``k`` depends on ``(seed, index, k)`` alone), a chunk of
+        rows at a time: the int64 indices and the transform's temporaries of all rows at once (a few thousand rows of
+        a 576-wide table) would be ten times the rows' own size."""
         self._real(like)
         width = like[0].numel()
-        elements = (rows.to(like.device, torch.int64)[:, None] * width
-                    + torch.arange(width, device=like.device)).reshape(-1)
-        COUNTER.add(elements.numel())
-        values = counter_values(tensor_seed(seed, index), elements, self.distribution)
-        return values.view(len(rows), *like.shape[1:])
+        rows = rows.to(like.device, torch.int64)
+        out = torch.empty(len(rows), width, dtype=torch.float32, device=like.device)
+        step = max(1, ROW_CHUNK // width)
+        columns = torch.arange(width, device=like.device)
+        for start in range(0, len(rows), step):
+            elements = (rows[start : start + step, None] * width + columns).reshape(-1)
+            out[start : start + step] = counter_values(tensor_seed(seed, index), elements,
+                                                       self.distribution).view(-1, width)
+        COUNTER.add(out.numel())
+        return out.view(len(rows), *like.shape[1:])
 
     def draw(self, like, seed, index):
         return self.draw_many(like, [seed], index)[0]

@@ -64,7 +64,7 @@ class ParameterTable:
             if owned:
                 self.owners.append((module, owned))
         seen = [index for _, owned in self.owners for _, index in owned]
-        self.tied = {index for index in seen if seen.count(index) > 1}  # drawn once per forward, then reused
+        self.tied = {index for index in seen if seen.count(index) > 1}  # stacked forwards draw them once for all owners
         self.reached: set[int] = set()  # parameters a perturbed forward has swapped (see ``unreached``)
 
     def unreached(self) -> list[str]:
@@ -91,7 +91,10 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
 
     Stored parameters are never written: each owning module sees ``p + sum_k c_k z_k`` only
     while it runs. With no terms, the block is a plain forward. ``cache``: directions kept by seed
-    (``Directions.total``); a tied parameter is perturbed once per forward and shared by its owners.
+    (``Directions.total``). A tied parameter is perturbed again for each owner (the same bits: a draw depends on its
+    seed and parameter index alone), so that no owner's copy outlives its module's forward: a tied LM head's copy held
+    from the embedding to the head would sit through the whole forward (SmolLM2: 28M values, 113 MB, the round's
+    peak memory over inference's; measured in ``benchmarks/README.md``).
     ``base`` (no gradients): tensors ``b_j`` (any float dtype) that stand for the weights, so that the
     forwards compute ``F(b + sum_k c_k z_k)``, cast to each parameter's dtype (a client's local model).
     """
@@ -100,9 +103,8 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
         return
     handles = []
     saved: dict[int, list[list[tuple[str, torch.Tensor]]]] = {}  # per module, a stack: calls may nest
-    tied: dict[int, torch.Tensor] = {}
 
-    def swap_in(module, _args):
+    def swap_in(module, args):
         originals: list[tuple[str, torch.Tensor]] = []
         saved.setdefault(id(module), []).append(originals)  # before any swap: a failure restores what was done
         for name, index in owned_by[id(module)]:
@@ -115,16 +117,19 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
                     loaded.perturbed = True
                 originals.append((name, param))
                 continue
-            shifted = tied.get(index)
-            if shifted is None:
-                if base is None:
-                    shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
-                else:
-                    source = base[index]
-                    shifted = (table.directions.perturb(source, index, terms, cache) if terms else source)
-                    shifted = shifted.to(param.dtype)
-                if index in table.tied:
-                    tied[index] = shifted
+            if by_rows(module, param, base, args):  # the rows the lookup reads, looked up by their new positions
+                used, inverse = args[0].unique(return_inverse=True)
+                originals.append((name, param))
+                module._parameters[name] = table.directions.perturb_rows(param, index, terms, used, cache)
+                looked_up[id(module)].append(module.padding_idx)
+                module.padding_idx = None  # a gradient mask only (none is taken here): no row is special
+                return (inverse, *args[1:])
+            if base is None:
+                shifted = table.directions.perturb(param, index, terms, cache)  # grads flow to param
+            else:
+                source = base[index]
+                shifted = (table.directions.perturb(source, index, terms, cache) if terms else source)
+                shifted = shifted.to(param.dtype)
             originals.append((name, param))
             module._parameters[name] = shifted
 
@@ -132,11 +137,23 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
         stack = saved.get(id(module))
         for name, param in stack.pop() if stack else ():
             module._parameters[name] = param
+        if looked_up.get(id(module)):
+            module.padding_idx = looked_up[id(module)].pop()
+
+    def by_rows(module, param, base, args) -> bool:
+        """A plain ``nn.Embedding`` read without gradients: only the rows its input reads are perturbed (fewer draws
+        where the directions draw by rows, and no whole perturbed table held: a tied LM head's would otherwise be
+        kept for the head at the end of the forward)."""
+        plain = (type(module).forward is nn.Embedding.forward and "forward" not in module.__dict__
+                 and module.max_norm is None and len(args) == 1 and torch.is_tensor(args[0]))
+        return plain and base is None and table.directions.draws_rows and not (
+            torch.is_grad_enabled() and param.requires_grad)
 
     def swap_out(module, _args, _output):
         restore(module)
 
     owned_by = {id(module): owned for module, owned in table.owners}
+    looked_up = {id(module): [] for module, _ in table.owners}  # per embedding, the padding_idx to put back
     stream = table.stream
     try:
         for module, _ in table.owners:

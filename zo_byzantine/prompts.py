@@ -105,6 +105,16 @@ def _split(lm: nn.Module):
     return (base, heads[0]) if base is not None and base is not lm and len(heads) == 1 else None
 
 
+def _tied_rows(lm: nn.Module, head: nn.Module) -> nn.Embedding | None:
+    """The input embedding when ``head`` is a plain bias-free ``nn.Linear`` that shares its weight (a tied LM head:
+    SmolLM2, GPT-2, OPT), else None. Its rows at the label words are then the label words' output weights, and
+    looking them up through the embedding module reads 2 of the head's rows instead of forming all of them."""
+    embedding = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return embedding if (type(head) is nn.Linear and head.bias is None and isinstance(embedding, nn.Embedding)
+                         and type(embedding).forward is nn.Embedding.forward and embedding.max_norm is None
+                         and embedding.weight is head.weight) else None
+
+
 def load_prompt_lm(name_or_path: str, kind: str = "auto", argument: str = "--head prompt",
                    alternative: str = "--head seq_cls", **placement):
     """``(lm, tokenizer, kind)`` for prompt scoring: the checkpoint's masked LM (a masked-LM architecture that is not
@@ -144,6 +154,11 @@ class PromptModel(nn.Module):
     Only the hidden state at the scored position goes through the LM head (one position per example; the rest of the
     sequence never meets the head: SmolLM2's tied head is 49,152 x 576, ~20 % of a forward over every position). A
     model that is not ``base_model`` + one head module runs whole and its logits are read at that position.
+
+    With the ``label_words`` loss and a head tied to the input embedding, only the label words' rows ``E_y`` of the
+    head are read, through the embedding module: ``x_y = h . E_y`` (the same logits; no ``[vocab, d]`` product). A
+    perturbed forward then perturbs those rows alone (``perturbation.perturbed`` perturbs an embedding by the rows
+    it reads): no perturbed copy of the 113 MB table is formed, the round's peak memory over inference's.
 
     ``loss``: what the rounds minimise, per example, at the scored position.
 
@@ -189,14 +204,20 @@ class PromptModel(nn.Module):
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
         rows = torch.arange(len(input_ids), device=input_ids.device)
         at = self.positions(input_ids, attention_mask)
-        split = _split(self.lm)
+        split, tied = _split(self.lm), None
         if split is not None:
             backbone, head = split
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-            vocab_logits = head(hidden[rows, at])
+            tied = _tied_rows(self.lm, head) if self.loss == "label_words" else None
+            if tied is not None:  # [1 or batch, labels, d]: one lookup, or one per stacked group and example
+                words = tied(self.label_ids[None, :])
+                logits = torch.matmul(words.to(hidden.dtype), hidden[rows, at, :, None])[..., 0]
+            else:
+                vocab_logits = head(hidden[rows, at])
         else:
             vocab_logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[rows, at]
-        logits = vocab_logits[:, self.label_ids]
+        if tied is None:
+            logits = vocab_logits[:, self.label_ids]
         if labels is None:
             loss = None
         elif self.loss == "label_words":
