@@ -272,3 +272,34 @@ def test_a_flower_node_s_replica_rounds_as_the_run_config_says(tmp_path):
     for mode in ("stochastic", "nearest"):
         args = ZOByzantineArguments(output_dir=str(tmp_path), update_rounding=mode, report_to=[])
         assert Replica(model, args).optimizer.rounding == mode
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize(("numel", "terms", "decay"), [
+    (1_000_003, 2, 0.0),  # odd, over the kernel's threading threshold: several pair ranges
+    (1_001, 1, 0.1),  # weight decay folded in before the sum
+    (777, 0, 50.0),  # decay alone (lr decay 5e-4): no sum added (x + 0 would turn -0 into +0)
+])
+def test_the_compiled_rounded_step_writes_the_bits_of_the_plain_update_and_rounding(distribution, numel, terms, decay):
+    """``CounterDirections.step_rounded_`` (one pass of the kernel) against the obvious path it replaces: the float32
+    update (``_exact_update``) then ``rounding.stochastic_round_`` with the same key; bitwise, zeros and both signs
+    included."""
+    from zo_byzantine import native
+    from zo_byzantine.directions import CounterDirections
+    from zo_byzantine.perturbation import _exact_update
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: the kernel path is not taken")
+    directions = CounterDirections(distribution)
+    gen = torch.Generator().manual_seed(numel)
+    weights = (torch.randn(numel, generator=gen) * 0.05).to(torch.bfloat16)
+    weights[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0, -3.0, 1e-3, -1e-3])
+    seeds = [(direction_seed(7, 3, 0, r), c) for r, c in zip(range(terms), (4.0, -9.5), strict=False)]
+    key, lr = rounding.tensor_key(rounding_key(seeds, salt=3), 5), 1e-5
+    assert directions.rounds_fused(weights, None)
+    expected = weights.clone()
+    rounding.stochastic_round_(expected, _exact_update(directions, expected, 5, seeds, lr, decay, None), key)
+    got = weights.clone()
+    directions.step_rounded_(got, 5, seeds, lr, decay, key)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(got, weights)  # it moved

@@ -143,3 +143,38 @@ void zo_generate(float *out, int64_t n, uint64_t key, int gaussian, int64_t pair
         memcpy(out + first, buf, (size_t)count * sizeof(float));
     }
 }
+
+/* step_rounded_bf16: a bfloat16 weight's update, rounded stochastically, in one pass (rounding.py's arithmetic):
+ *     x = float(w) * decay (when has_decay),  x = x + sum_k c_k z_k (when K > 0, the sum accumulated as combine's),
+ *     w = upper 16 bits of (bits(x) + r) mod 2^32,  r = bits 16 (k mod 4) .. of mix(round_key, k / 4),
+ * so the float32 update is never stored and the rounding bits are the ones rounding.uniform_bits draws. */
+void zo_step_rounded_bf16(uint16_t *w, int64_t n, const uint64_t *keys, const double *coeffs, int64_t K,
+                          int gaussian, float decay, int has_decay, uint64_t round_key, int64_t pair_begin,
+                          int64_t pair_end) {
+    float acc[2 * TILE];
+    uint16_t r16[2 * TILE + 8]; /* the tile's rounding bits, from the word of its first element on */
+    for (int64_t p0 = pair_begin; p0 < pair_end; p0 += TILE) {
+        int64_t np = pair_end - p0 < TILE ? pair_end - p0 : TILE;
+        for (int64_t k = 0; k < K; k++)
+            accumulate_f32(acc, p0, np, keys[k], (float)coeffs[k], gaussian, k == 0);
+        int64_t first = 2 * p0, count = 2 * np < n - first ? 2 * np : n - first;
+        int64_t word0 = first / 4, words = (first + count + 3) / 4 - word0;
+        for (int64_t j = 0; j < words; j++) {
+            uint64_t x = mix(round_key, (uint64_t)(word0 + j));
+            for (int q = 0; q < 4; q++)
+                r16[4 * j + q] = (uint16_t)(x >> (16 * q));
+        }
+        for (int64_t i = 0; i < count; i++) {
+            int64_t e = first + i;
+            uint32_t bits = (uint32_t)w[e] << 16;
+            float x;
+            memcpy(&x, &bits, 4);
+            if (has_decay)
+                x = x * decay;
+            if (K > 0)
+                x = x + acc[i];
+            memcpy(&bits, &x, 4);
+            w[e] = (uint16_t)((bits + r16[e - 4 * word0]) >> 16);
+        }
+    }
+}

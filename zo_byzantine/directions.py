@@ -326,6 +326,22 @@ class CounterDirections(Directions):
         else:
             super().perturb_(copy, index, terms, cache)
 
+    def rounds_fused(self, param: torch.Tensor, cache: dict | None) -> bool:
+        """Whether :meth:`step_rounded_` can write ``param``: bfloat16 on the CPU, the compiled kernel, no kept
+        directions."""
+        return cache is None and param.dtype == torch.bfloat16 and self._native(param)
+
+    def step_rounded_(self, param: torch.Tensor, index: int, terms: Terms, lr: float, decay: float,
+                      round_key: int) -> None:
+        """In place, one pass: ``param <- SR(T(param) (1 - lr decay) - lr sum_k c_k z_k)``, the bits of
+        ``rounding.stochastic_round_`` of the float32 update with key ``round_key`` (the kernel's
+        ``zo_step_rounded_bf16``); where :meth:`rounds_fused`."""
+        COUNTER.add(param.numel() * len(terms))
+        native.step_rounded_bf16(param.detach(), [tensor_seed(s, index) for s, _ in terms],
+                                 [-lr * c for _, c in terms], (1.0 - lr * decay) if decay else None, round_key,
+                                 self.distribution == "gaussian")
+        torch.autograd.graph.increment_version(param)  # written through a pointer: tell autograd
+
     def step_(self, param, index, terms, lr, cache=None):
         self._real(param)
         if not terms:

@@ -102,6 +102,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.zo_generate.argtypes = [vp, i64, ctypes.c_uint64, ctypes.c_int, i64, i64]
     lib.zo_generate.restype = None
+    lib.zo_step_rounded_bf16.argtypes = [vp, i64, u64p, f64p, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                         ctypes.c_uint64, i64, i64]
+    lib.zo_step_rounded_bf16.restype = None
     return lib
 
 
@@ -184,3 +187,20 @@ def generate(out: torch.Tensor, key: int, gaussian: bool) -> None:
         raise ValueError("native.generate: out must be a contiguous CPU float32 tensor.")
     lib, n, dst = library(), out.numel(), out.data_ptr()
     _run(lambda a, b: lib.zo_generate(dst, n, key, int(gaussian), a, b), n)
+
+
+def step_rounded_bf16(param: torch.Tensor, keys: list[int], coeffs: list[float], decay: float | None,
+                      round_key: int, gaussian: bool) -> None:
+    """In place, one pass over a contiguous CPU bfloat16 ``param``: ``x = float32(param) * decay`` (when ``decay``
+    is not None), ``x = x + sum_k coeffs[k] z(keys[k])``, ``param = SR(x)`` with the rounding bits of ``round_key``
+    (``rounding.py``'s arithmetic and bits; the float32 ``x`` is never stored)."""
+    if param.dtype != torch.bfloat16 or not param.is_contiguous() or param.device.type != "cpu" \
+            or len(keys) != len(coeffs):
+        raise ValueError("native.step_rounded_bf16: param must be a contiguous CPU bfloat16 tensor, with one "
+                         "coefficient per key.")
+    lib, k, n, dst = library(), len(keys), param.numel(), param.data_ptr()
+    key_array = (ctypes.c_uint64 * max(1, k))(*keys)
+    coeff_array = (ctypes.c_double * max(1, k))(*coeffs)
+    factor, has_decay = (0.0, 0) if decay is None else (float(decay), 1)
+    _run(lambda a, b: lib.zo_step_rounded_bf16(dst, n, key_array, coeff_array, k, int(gaussian), factor, has_decay,
+                                               round_key, a, b), n)

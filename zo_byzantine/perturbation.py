@@ -218,7 +218,10 @@ def apply_update(
         kept = None if streamed else cache
         with torch.no_grad():  # grad mode is per thread
             decay = (weight_decay or {}).get(index, 0.0)
-            if rounds_stochastically(param.dtype, rounding):
+            if rounds_stochastically(param.dtype, rounding) and isinstance(directions, CounterDirections) \
+                    and directions.rounds_fused(param, kept):  # the same bits in one pass, no float32 copy
+                directions.step_rounded_(param, index, terms, lr, decay, tensor_seed(key, index))
+            elif rounds_stochastically(param.dtype, rounding):
                 exact = _exact_update(directions, param, index, terms, lr, decay, kept)
                 stochastic_round_(param.data, exact, tensor_seed(key, index))
                 torch.autograd.graph.increment_version(param)
