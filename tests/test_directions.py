@@ -367,3 +367,23 @@ def test_no_home_directory_falls_back_to_plain_torch(monkeypatch):
 
     monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
     assert native.library.__wrapped__() is None
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize(("shape", "count"), [((50, 6), 5), ((41, 7), 9), ((4000, 101), 3000)])
+def test_the_kernel_draws_rows_as_the_plain_stream_does(monkeypatch, distribution, shape, count):
+    """``draw_rows`` by the compiled kernel (row by row, odd widths whose pairs straddle two rows, several threads'
+    ranges for the large case) against the plain-torch path at the same elements, bit for bit."""
+    from zo_byzantine import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: the kernel path is not taken")
+    generator = CounterDirections(distribution)
+    like = torch.empty(shape)
+    rows = torch.randint(0, shape[0], (count,), generator=torch.Generator().manual_seed(count))
+    seed = direction_seed(4, 1, 0, 2)
+    got = generator.draw_rows(like, seed, 5, rows)
+    monkeypatch.setattr(CounterDirections, "_native", staticmethod(lambda param: False))
+    expected = generator.draw_rows(like, seed, 5, rows)
+    assert torch.equal(_bits(got), _bits(expected))
+    assert torch.equal(_bits(expected), _bits(generator.draw(like, seed, 5)[rows]))

@@ -178,3 +178,19 @@ void zo_step_rounded_bf16(uint16_t *w, int64_t n, const uint64_t *keys, const do
         }
     }
 }
+
+/* generate_rows: out[i, c] = z[rows[i] * width + c] for c < width, the elements of a [*, width] tensor's rows (an
+ * embedding table's rows a forward reads); a pair that straddles two rows is drawn for each. */
+void zo_generate_rows(float *out, int64_t width, const int64_t *rows, int64_t row_begin, int64_t row_end,
+                      uint64_t key, int gaussian) {
+    float buf[2 * TILE];
+    for (int64_t i = row_begin; i < row_end; i++) {
+        int64_t start = rows[i] * width, end = start + width; /* elements [start, end) */
+        for (int64_t p0 = start / 2; 2 * p0 < end; p0 += TILE) {
+            int64_t np = (end + 1) / 2 - p0 < TILE ? (end + 1) / 2 - p0 : TILE;
+            accumulate_f32(buf, p0, np, key, 1.0f, gaussian, 1);
+            for (int64_t e = 2 * p0 > start ? 2 * p0 : start; e < 2 * (p0 + np) && e < end; e++)
+                out[i * width + (e - start)] = buf[e - 2 * p0];
+        }
+    }
+}

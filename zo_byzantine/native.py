@@ -102,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.zo_generate.argtypes = [vp, i64, ctypes.c_uint64, ctypes.c_int, i64, i64]
     lib.zo_generate.restype = None
+    lib.zo_generate_rows.argtypes = [vp, i64, vp, i64, i64, ctypes.c_uint64, ctypes.c_int]
+    lib.zo_generate_rows.restype = None
     lib.zo_step_rounded_bf16.argtypes = [vp, i64, u64p, f64p, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int,
                                          ctypes.c_uint64, i64, i64]
     lib.zo_step_rounded_bf16.restype = None
@@ -138,18 +140,19 @@ if hasattr(os, "register_at_fork"):  # a forked child (DataLoader worker, multip
     os.register_at_fork(after_in_child=_new_pool)
 
 
-def _ranges(numel: int) -> list[tuple[int, int]]:
-    """Pair ranges of a tensor of ``numel`` elements for torch's thread count of pool threads."""
-    pairs = (numel + 1) // 2
+def _ranges(numel: int, units: int | None = None) -> list[tuple[int, int]]:
+    """Ranges of ``units`` (default: the pairs of a tensor of ``numel`` elements; or its rows) for torch's thread
+    count of pool threads."""
+    units = (numel + 1) // 2 if units is None else units
     threads = max(1, min(torch.get_num_threads(), CPUS))
     # a few ranges per thread, taken in turn by the pool: a core slowed by another process does not hold all back
     parts = 1 if numel < MIN_PARALLEL or threads == 1 else min(4 * threads, max(threads, numel // MIN_PARALLEL))
-    bounds = [pairs * i // parts for i in range(parts + 1)]
+    bounds = [units * i // parts for i in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def _run(call, numel: int) -> None:
-    ranges = _ranges(numel)
+def _run(call, numel: int, units: int | None = None) -> None:
+    ranges = _ranges(numel, units)
     if len(ranges) == 1:
         call(*ranges[0])
         return
@@ -187,6 +190,17 @@ def generate(out: torch.Tensor, key: int, gaussian: bool) -> None:
         raise ValueError("native.generate: out must be a contiguous CPU float32 tensor.")
     lib, n, dst = library(), out.numel(), out.data_ptr()
     _run(lambda a, b: lib.zo_generate(dst, n, key, int(gaussian), a, b), n)
+
+
+def generate_rows(out: torch.Tensor, rows: torch.Tensor, key: int, gaussian: bool) -> None:
+    """``out[i] = z(key)`` at elements ``rows[i] * width ..`` (``out``: a contiguous CPU float32 ``[len(rows),
+    width]``; ``rows``: int64 row indices)."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu" or out.dim() != 2 \
+            or rows.dtype != torch.int64 or rows.shape != (out.shape[0],) or not rows.is_contiguous():
+        raise ValueError("native.generate_rows: out must be a contiguous CPU float32 [rows, width] tensor and rows "
+                         "its int64 row indices.")
+    lib, width, dst, src = library(), out.shape[1], out.data_ptr(), rows.data_ptr()
+    _run(lambda a, b: lib.zo_generate_rows(dst, width, src, a, b, key, int(gaussian)), out.numel(), len(rows))
 
 
 def step_rounded_bf16(param: torch.Tensor, keys: list[int], coeffs: list[float], decay: float | None,
