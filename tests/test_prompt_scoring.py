@@ -211,12 +211,55 @@ def test_stacked_groups_read_the_label_words_rows_as_separate_perturbed_forwards
     ids, mask, _ = _batch("causal_lm", "left")
     table = ParameterTable(model)
     groups = [[(direction_seed(0, 2, 0, 0), 1e-2)], [(direction_seed(0, 2, 0, 0), -1e-2)]]
-    with torch.no_grad():
-        expected = []
-        for terms in groups:
-            with perturbed(table, terms):
-                expected.append(model(input_ids=ids, attention_mask=mask).logits)
-        with stacked(table, groups, len(ids), per_group_products=per_group_products):
-            got = model(input_ids=ids.repeat(2, 1), attention_mask=mask.repeat(2, 1)).logits
+    calls = []
+    hook = model.lm.lm_head.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            expected = []
+            for terms in groups:
+                with perturbed(table, terms):
+                    expected.append(model(input_ids=ids, attention_mask=mask).logits)
+            with stacked(table, groups, len(ids), per_group_products=per_group_products):
+                got = model(input_ids=ids.repeat(2, 1), attention_mask=mask.repeat(2, 1)).logits
+    finally:
+        hook.remove()
+    assert not calls  # the label words' rows, not the head, in the stacked forward too
     assert not torch.allclose(expected[0], expected[1], atol=1e-4)
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding_label", [False, True])
+def test_first_order_gradients_through_the_label_rows_equal_the_full_head_s(padding_label):
+    """Back-propagated (first-order training, gradient estimators): the tied table's gradient through the label
+    words' rows equals the one through the full head; a label word that is the embedding's padding row (whose
+    gradient ``F.embedding`` zeroes) keeps the head."""
+    import copy
+
+    torch.manual_seed(0)
+    lm = _llama()
+    if padding_label:
+        lm.model.embed_tokens.padding_idx = LABEL_IDS[0]
+    reference = copy.deepcopy(lm)
+    ids, mask, labels = _batch("causal_lm", "right")
+    model = PromptModel(lm, LABEL_IDS, "causal_lm")
+    calls = []
+    hook = lm.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    hook.remove()
+    F.cross_entropy(_full_head(reference, ids, mask, "causal_lm")[:, LABEL_IDS], labels).backward()
+    assert bool(calls) == padding_label
+    got, expected = lm.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad
+    assert float(expected[LABEL_IDS].norm()) > 0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_negative_token_id_is_refused_in_a_perturbed_forward_as_in_a_plain_one():
+    from zo_byzantine.perturbation import ParameterTable, direction_seed, perturbed
+
+    lm = _llama().eval()
+    ids = torch.tensor([[3, 5, 7, -1]])
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            lm(input_ids=ids)
+        with perturbed(ParameterTable(lm), [(direction_seed(0, 0, 0, 0), 1e-3)]), pytest.raises(IndexError):
+            lm(input_ids=ids)

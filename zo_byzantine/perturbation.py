@@ -119,6 +119,8 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
                 continue
             if by_rows(module, param, base, args):  # the rows the lookup reads, looked up by their new positions
                 used, inverse = args[0].unique(return_inverse=True)
+                if len(used) and int(used[0]) < 0:  # as a plain lookup does (indexing would wrap it)
+                    raise IndexError(f"index {int(used[0])} is out of range of the embedding ({name!r})")
                 originals.append((name, param))
                 module._parameters[name] = table.directions.perturb_rows(param, index, terms, used, cache)
                 looked_up[id(module)].append(module.padding_idx)
@@ -370,6 +372,8 @@ def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, ro
     for g in range(count):
         part = ids[g * rows : (g + 1) * rows] if stacked_ids else ids
         used, inverse = part.unique(return_inverse=True)
+        if len(used) and int(used[0]) < 0:  # as a plain lookup does (indexing would wrap it)
+            raise IndexError(f"index {int(used[0])} is out of range of the embedding")
         out.append(nn.functional.embedding(inverse, rows_of(g, used)))
     return torch.cat(out) if stacked_ids else _stack_outputs(out, rows)
 

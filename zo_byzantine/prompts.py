@@ -105,14 +105,19 @@ def _split(lm: nn.Module):
     return (base, heads[0]) if base is not None and base is not lm and len(heads) == 1 else None
 
 
-def _tied_rows(lm: nn.Module, head: nn.Module) -> nn.Embedding | None:
+def _tied_rows(lm: nn.Module, head: nn.Module, label_ids: list[int]) -> nn.Embedding | None:
     """The input embedding when ``head`` is a plain bias-free ``nn.Linear`` that shares its weight (a tied LM head:
     SmolLM2, GPT-2, OPT), else None. Its rows at the label words are then the label words' output weights, and
-    looking them up through the embedding module reads 2 of the head's rows instead of forming all of them."""
-    embedding = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    looking them up through the embedding module reads 2 of the head's rows instead of forming all of them. Not where
+    a label word is the embedding's ``padding_idx`` (``F.embedding`` zeroes that row's gradient; the head does not)."""
+    try:
+        embedding = lm.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # transformers' default raises where it finds none
+        return None
     return embedding if (type(head) is nn.Linear and head.bias is None and isinstance(embedding, nn.Embedding)
                          and type(embedding).forward is nn.Embedding.forward and embedding.max_norm is None
-                         and embedding.weight is head.weight) else None
+                         and embedding.weight is head.weight
+                         and embedding.padding_idx not in label_ids) else None  # its rows' gradient: zeroed
 
 
 def load_prompt_lm(name_or_path: str, kind: str = "auto", argument: str = "--head prompt",
@@ -187,6 +192,7 @@ class PromptModel(nn.Module):
             raise ValueError("A masked-LM prompt model needs mask_token_id.")
         self.lm, self.kind, self.mask_token_id, self.loss = lm, kind, mask_token_id, loss
         self.register_buffer("label_ids", torch.tensor(label_ids), persistent=False)
+        self.label_list = [int(i) for i in label_ids]
         self.num_labels = len(label_ids)
         self.config = getattr(lm, "config", None)
 
@@ -208,10 +214,10 @@ class PromptModel(nn.Module):
         if split is not None:
             backbone, head = split
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-            tied = _tied_rows(self.lm, head) if self.loss == "label_words" else None
+            tied = _tied_rows(self.lm, head, self.label_list) if self.loss == "label_words" else None
             if tied is not None:  # [1 or batch, labels, d]: one lookup, or one per stacked group and example
-                words = tied(self.label_ids[None, :])
-                logits = torch.matmul(words.to(hidden.dtype), hidden[rows, at, :, None])[..., 0]
+                words = tied(self.label_ids[None, :]).to(hidden.device, hidden.dtype)
+                logits = torch.matmul(words, hidden[rows, at, :, None])[..., 0]
             else:
                 vocab_logits = head(hidden[rows, at])
         else:
