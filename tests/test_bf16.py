@@ -303,3 +303,27 @@ def test_the_compiled_rounded_step_writes_the_bits_of_the_plain_update_and_round
     directions.step_rounded_(got, 5, seeds, lr, decay, key)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     assert not torch.equal(got, weights)  # it moved
+
+
+def test_apply_update_writes_the_same_bits_through_the_compiled_rounding_as_through_the_plain_one(monkeypatch):
+    """``apply_update`` on a bfloat16 model (two terms, weight decay on some tensors) takes the kernel's fused rounding;
+    forced onto the plain path (float32 update, then ``rounding.py``) it writes the same bits into every weight."""
+    from zo_byzantine import native
+    from zo_byzantine.directions import CounterDirections
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: the kernel path is not taken")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).to(torch.bfloat16)
+    other, start = copy.deepcopy(model), copy.deepcopy(model)
+    terms = [(direction_seed(1, 4, 0, 0), 30.0), (direction_seed(1, 4, 0, 1), -12.5)]
+    decay = {0: 0.1, 3: 0.01}
+    table = ParameterTable(model)
+    assert all(table.directions.rounds_fused(p, None) for p in table.params)
+    apply_update(table, terms, 1e-5, weight_decay=decay)
+    monkeypatch.setattr(CounterDirections, "rounds_fused", lambda self, param, cache: False)
+    apply_update(ParameterTable(other), terms, 1e-5, weight_decay=decay)
+    pairs = list(zip(model.parameters(), other.parameters(), strict=True))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs)
+    assert sum(int((a != b).sum()) for a, b in zip(model.parameters(), start.parameters(), strict=True)) > 1000
