@@ -142,8 +142,15 @@ def test_training_grouped_by_length_follows_the_padded_trajectory(tmp_path, toke
     for key in padded:
         torch.testing.assert_close(grouped[key] - start[key], padded[key] - start[key], rtol=1e-3, atol=5e-5)
     chunks = CLIENTS  # the round's 24 examples in chunks of B = 6
-    assert padded_passes == {6.0}  # 2 directions x (2 fused forwards + the update)
-    assert grouped_passes == ({2.0} if schedule == "auto" else {2 * (2.0 * chunks + 1)})  # a draw per chunk
+    # 2 directions x (2 fused forwards + the update), the forwards drawing only the embedding rows they read
+    tables = sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, torch.nn.Embedding))
+    whole = 1 - tables / sum(p.numel() for p in trainer.model.parameters())
+    assert padded_passes and all(2 * (1 + 2 * whole) < p < 6.0 for p in padded_passes)  # rows: per round's batch
+    if schedule == "auto":  # kept directions: drawn whole once per direction, not once per chunk
+        assert grouped_passes == {2.0}
+    else:  # a draw per chunk
+        assert grouped_passes and all(2 * (2 * chunks * whole + 1) < p < 2 * (2.0 * chunks + 1)
+                                      for p in grouped_passes)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
