@@ -118,9 +118,7 @@ def perturbed(table: ParameterTable, terms: Terms, cache: dict | None = None,
                 originals.append((name, param))
                 continue
             if by_rows(module, param, base, args):  # the rows the lookup reads, looked up by their new positions
-                used, inverse = args[0].unique(return_inverse=True)
-                if len(used) and int(used[0]) < 0:  # as a plain lookup does (indexing would wrap it)
-                    raise IndexError(f"index {int(used[0])} is out of range of the embedding ({name!r})")
+                used, inverse = rows_read(args[0])
                 originals.append((name, param))
                 module._parameters[name] = table.directions.perturb_rows(param, index, terms, used, cache)
                 looked_up[id(module)].append(module.padding_idx)
@@ -364,6 +362,15 @@ def _linear_per_group(module: nn.Linear, x: torch.Tensor, count: int, weights) -
     return y.reshape(*x.shape[:-1], module.out_features)
 
 
+def rows_read(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted rows a lookup of ``ids`` reads and ``ids``' positions among them; a negative id raises IndexError
+    as a plain lookup does (indexing the rows would wrap it)."""
+    used, inverse = ids.unique(return_inverse=True)
+    if len(used) and int(used[0]) < 0:
+        raise IndexError(f"index {int(used[0])} is out of range of the embedding")
+    return used, inverse
+
+
 def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, rows: int, rows_of) -> torch.Tensor:
     """Each group's lookup of its slice of a stacked ``ids`` (or of all of a shared ``ids``) in its own table, of
     which only the rows it reads are formed: ``rows_of(g, used) -> [len(used), dim]``."""
@@ -371,9 +378,7 @@ def _embedding_per_group(module: nn.Embedding, ids: torch.Tensor, count: int, ro
     out = []
     for g in range(count):
         part = ids[g * rows : (g + 1) * rows] if stacked_ids else ids
-        used, inverse = part.unique(return_inverse=True)
-        if len(used) and int(used[0]) < 0:  # as a plain lookup does (indexing would wrap it)
-            raise IndexError(f"index {int(used[0])} is out of range of the embedding")
+        used, inverse = rows_read(part)
         out.append(nn.functional.embedding(inverse, rows_of(g, used)))
     return torch.cat(out) if stacked_ids else _stack_outputs(out, rows)
 
