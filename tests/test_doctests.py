@@ -4,10 +4,10 @@ import doctest
 
 import pytest
 
-from zo_byzantine import aggregators, attacks, context
+from zo_byzantine import aggregators, attacks, context, history, trusted
 
 
-@pytest.mark.parametrize("module", [aggregators, attacks, context])
+@pytest.mark.parametrize("module", [aggregators, attacks, context, history, trusted])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0

@@ -799,4 +799,5 @@ def build_aggregator(rule, pre_aggregators: Sequence = (), **kwargs) -> Chain:
     return Chain(steps, rule)
 
 
-from . import history  # noqa: E402, F401  registers "history", the rule with per-client state (below the rules it wraps)
+# the rules below the ones they build on: "history" (per-client state) and "fltrust" (a trusted client's report)
+from . import history, trusted  # noqa: E402, F401

@@ -19,6 +19,7 @@ from .federation import PARTITIONS
 from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
 from .server import Settings
+from .trusted import trusted_clients
 from .validation import check_choice, check_integer, check_real
 
 Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
@@ -110,6 +111,10 @@ class ZOByzantineArguments(TrainingArguments):
         partition (`str`, defaults to `"iid"`): `"iid"`, `"dirichlet"` or `"shards"`.
         dirichlet_alpha (`float`, defaults to 1.0): concentration of the Dirichlet partition.
         min_client_examples (`int`, defaults to 1): fewest examples a client may hold.
+        root_examples (`int`, defaults to 0): with `aggregator="fltrust"`, the data of its trusted clients
+            (`aggregator_kwargs["trusted"]`): this many training examples drawn uniformly (seeded) from the whole
+            training set in place of their partition share (FLTrust's root data set, drawn from the task's
+            distribution); 0 keeps their share.
 
     Parameters that control the zeroth-order estimate:
         estimator (`str`, defaults to `"two_point"`): `"two_point"`, `"one_point"`, `"gradient_projection"` or
@@ -201,6 +206,8 @@ class ZOByzantineArguments(TrainingArguments):
     partition: Partition = field(default="iid", metadata={"help": "Training set over clients: iid, dirichlet, shards."})
     dirichlet_alpha: float = field(default=1.0, metadata={"help": "Dirichlet concentration (> 0)."})
     min_client_examples: int = field(default=1, metadata={"help": "Minimum examples per client."})
+    root_examples: int = field(default=0, metadata={"help": "fltrust: examples drawn uniformly for the trusted clients "
+                                                            "(the root data set); 0 keeps their share."})
     estimator: Estimator = field(
         default="two_point", metadata={"help": "two_point, one_point, gradient_projection or first_order."}
     )
@@ -270,6 +277,27 @@ class ZOByzantineArguments(TrainingArguments):
         return Settings(self.zo_seed, self.estimator, self.zo_eps, self.num_perturbations, self.local_steps,
                         self.local_update, self.directions, self.aggregation_space, self.byzantine_bound())
 
+    def check_trusted(self) -> None:
+        """The trusted clients exist, are never Byzantine, take part in every round; ``root_examples`` only for them."""
+        trusted = trusted_clients(self.aggregator, self.aggregator_kwargs)
+        if self.root_examples and not trusted:
+            raise ValueError(f"root_examples={self.root_examples} is the data of the clients the server trusts; "
+                             f"aggregator={self.aggregator!r} with aggregator_kwargs={self.aggregator_kwargs} names "
+                             "none. Accepted: root_examples=0, or aggregator='fltrust' with "
+                             "aggregator_kwargs={'trusted': [ids]}.")
+        if not trusted:
+            return
+        if max(trusted) >= self.num_clients:
+            raise ValueError(f"aggregator_kwargs trusted={list(trusted)}: client ids must be < num_clients="
+                             f"{self.num_clients}.")
+        if self.byzantine_selection == "first" and min(trusted) < self.num_byzantine:
+            raise ValueError(f"aggregator_kwargs trusted={list(trusted)} names Byzantine clients: with "
+                             f"byzantine_selection='first' clients 0..{self.num_byzantine - 1} are Byzantine; trust "
+                             f"ids >= num_byzantine={self.num_byzantine}.")
+        if self.clients_per_round not in (None, self.num_clients):
+            raise ValueError(f"clients_per_round={self.clients_per_round} with trusted clients ({self.aggregator!r}): "
+                             "a round drawn without one has no reference; accepted: clients_per_round=None (all).")
+
     def byzantine_bound(self) -> int:
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
         return self.num_byzantine if self.max_byzantine_per_round is None else self.max_byzantine_per_round
@@ -301,6 +329,7 @@ class ZOByzantineArguments(TrainingArguments):
         for name in ("num_clients", "num_perturbations", "local_steps", "min_client_examples"):
             check_integer(name, getattr(self, name), 1)
         check_integer("num_byzantine", self.num_byzantine, 0)
+        check_integer("root_examples", self.root_examples, 0)
         check_integer("zo_forward_batch_size", self.zo_forward_batch_size, 0)
         check_integer("zo_direction_batch_size", self.zo_direction_batch_size, 0)
         if not isinstance(self.zo_group_by_length, bool):
@@ -388,6 +417,7 @@ class ZOByzantineArguments(TrainingArguments):
         # build once so that parameters and sizing are checked now, not at the first round
         self.check_sizing(build_aggregator(self.aggregator, self.pre_aggregators, **self.aggregator_kwargs))
         build_attack(self.attack, **self.attack_kwargs)
+        self.check_trusted()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "

@@ -288,7 +288,11 @@ class Adaptive(Attack):
     server would compute, and every client's score after the round, for each choice it has. Its choices: mimic
     (send an honest vector ``v_j``, the one that leaves its clients' lowest score highest: honest in sign, scale and
     noise) or strike with ``v_j + omega a``, ``a = -hbar`` (FOE-like: pulls the aggregate against the honest mean)
-    or the honest ``sigma`` (ALIE-like), ``omega`` from ``candidates`` (``strike`` names which).
+    or the honest ``sigma`` (ALIE-like), ``omega`` from ``candidates`` (``strike`` names which), and against a rule
+    with a trusted reference (``fltrust``, or ``history`` around it) the cone strike: ``||hbar|| (e u + sqrt(1 - e^2)
+    w)``, ``u`` the unit trusted report ``g0 / ||g0||`` and ``w`` the unit part of ``-hbar`` orthogonal to it, ``e``
+    from ``cones`` (``omega`` reports ``e``): the row FLTrust still weights, by ``e``, pushing against the honest mean
+    as far as it can (``strike="both"`` adds it where the rule has trusted clients; ``"cone"`` alone).
 
     ``mode="greedy"`` strikes every round with the most damaging choice that keeps every Byzantine client's score at
     least ``margin`` above the rule's exclusion floor after the round (kept: its strike counts), else mimics;
@@ -300,9 +304,10 @@ class Adaptive(Attack):
     """
 
     def __init__(self, strike: str = "both", candidates=tuple(float(w) for w in range(0, 11)), margin: float = 0.05,
-                 mode: str = "greedy", objective: str = "norm"):
-        for name, value, accepted in (("strike", strike, ("foe", "alie", "both")), ("mode", mode, ("greedy", "full")),
-                                      ("objective", objective, ("norm", "against"))):
+                 mode: str = "greedy", objective: str = "norm", cones=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5)):
+        choices = (("strike", strike, ("foe", "alie", "cone", "both")), ("mode", mode, ("greedy", "full")),
+                   ("objective", objective, ("norm", "against")))
+        for name, value, accepted in choices:
             if value not in accepted:
                 raise ValueError(f"adaptive: {name}={value!r} is not supported; accepted: {', '.join(accepted)}.")
         if not isinstance(candidates, list | tuple) or not candidates or \
@@ -310,10 +315,34 @@ class Adaptive(Attack):
             raise ValueError(f"adaptive: candidates={candidates!r}: a non-empty list of finite numbers (omega).")
         self.strike, self.mode, self.objective = strike, mode, objective
         self.candidates = [float(c) for c in candidates]
+        if not isinstance(cones, list | tuple) or not cones or not all(is_number(e) and 0 < e <= 1 for e in cones):
+            raise ValueError(f"adaptive: cones={cones!r}: a non-empty list of cosines in (0, 1] (the cone strike's).")
+        self.cones = [float(e) for e in cones]
         self.margin = check_real("adaptive: margin", margin, 0.0)
 
-    def strikes(self, honest: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-        """``base + omega a`` for every strike direction and omega, with their omegas."""
+    def cone_strikes(self, honest: torch.Tensor, clients, trusted) -> torch.Tensor:
+        """The cone strikes (``len(cones) x d``) against the trusted report of the honest rows of ``clients`` in
+        ``trusted``; none (``0 x d``) where no such row is known or ``g0``, ``hbar`` leave no direction."""
+        empty = honest.new_zeros(0, honest.shape[1])
+        if self.strike not in ("cone", "both") or not trusted or clients is None:
+            return empty
+        mine = [i for i, c in enumerate(clients[: len(honest)]) if int(c) in trusted]
+        if not mine:
+            return empty
+        hbar, g0 = honest.mean(dim=0), honest[mine].mean(dim=0)
+        size = hbar.norm()
+        u = g0 / g0.norm().clamp_min(torch.finfo(g0.dtype).tiny)
+        w = -hbar - (-hbar @ u) * u
+        if not (float(w.norm()) > 0 and float(g0.norm()) > 0 and math.isfinite(float(size))):
+            return empty
+        w = w / w.norm()
+        e = torch.tensor(self.cones, dtype=honest.dtype, device=honest.device)[:, None]
+        return size * (e * u + (1 - e * e).sqrt() * w)
+
+    def strikes(self, honest: torch.Tensor, base: torch.Tensor, clients=None, trusted=()
+                ) -> tuple[torch.Tensor, list[float]]:
+        """``base + omega a`` for every strike direction and omega, with their omegas, then the cone strikes (their
+        cosines as omegas)."""
         hbar = honest.mean(dim=0)
         directions = []
         if self.strike in ("foe", "both"):
@@ -324,6 +353,11 @@ class Adaptive(Attack):
         for a in directions:
             rows += [base + w * a for w in self.candidates]
             omegas += self.candidates
+        cones = self.cone_strikes(honest, clients, trusted)
+        rows += list(cones)
+        omegas += self.cones[: len(cones)]
+        if not rows:
+            return honest.new_zeros(0, honest.shape[1]), []
         return torch.stack(rows), omegas
 
     def damage(self, outputs: torch.Tensor, hbar: torch.Tensor) -> torch.Tensor:
@@ -336,8 +370,11 @@ class Adaptive(Attack):
         hbar, k = honest.mean(dim=0), len(own)
         history = getattr(rule, "rule", None)
         search = search_context(ctx, len(honest), k)
+        trusted = getattr(history, "trusted", None) or getattr(history, "protected", ())
         if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
-            rows, omegas = self.strikes(honest, hbar)
+            rows, omegas = self.strikes(honest, hbar, search.clients, trusted)
+            if not len(rows):
+                return AttackOutput(self.repeat(hbar, own), {"struck": 0, "omega": 0.0})
             best = int(self.damage(aggregate_candidates(rule, honest, rows, k, ctx), hbar).argmax())
             return AttackOutput(self.repeat(rows[best], own), {"omega": omegas[best], "struck": 1})
         mine = search.clients[len(honest):]
@@ -350,7 +387,9 @@ class Adaptive(Attack):
 
         mimics = [outcome(v)[1] for v in honest]
         base = honest[max(range(len(honest)), key=lambda j: (mimics[j], -j))]
-        rows, omegas = self.strikes(honest, base)
+        rows, omegas = self.strikes(honest, base, search.clients, trusted)
+        if not len(rows):
+            return AttackOutput(self.repeat(base, own), {"struck": 0, "omega": 0.0})
         results = [outcome(row) for row in rows]
         damage = self.damage(torch.stack([value for value, _ in results]), hbar)
         allowed = torch.tensor([room >= self.margin for _, room in results])

@@ -91,7 +91,8 @@ def _parameters(obj) -> dict:
 def run_protocol(trainer) -> dict:
     """What the ledger records as a trainer's protocol: every setting that changes what a round computes, as in
     effect (``clients_per_round``: ``m``; ``max_byzantine_per_round``: ``f``; ``dirichlet_alpha`` only for the
-    Dirichlet partition), the pipeline and the attack with their parameters, and the training set's size."""
+    Dirichlet partition; ``root_examples`` only where set), the pipeline and the attack with their parameters, and
+    the training set's size."""
     return protocol_of(trainer.args, trainer.aggregator, trainer.attack, trainer.train_dataset)
 
 
@@ -102,6 +103,7 @@ def protocol_of(args, aggregator, attack, dataset) -> dict:
         clients_per_round=args.clients_per_round or args.num_clients,
         max_byzantine_per_round=args.byzantine_bound(),
         dirichlet_alpha=args.dirichlet_alpha if args.partition == "dirichlet" else None,
+        root_examples=args.root_examples or None,  # the trusted clients' data (fltrust); none: null
         aggregator=[[step.name, _parameters(step)] for step in [*aggregator.steps, aggregator.rule]],
         attack=None if attack is None else [type(attack).__name__, _parameters(attack)],
         train_examples=len(dataset) if hasattr(dataset, "__len__") else None,

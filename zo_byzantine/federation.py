@@ -78,6 +78,17 @@ def partition_dataset(
     )
 
 
+def with_root(parts: list[np.ndarray], trusted: Sequence[int], root_examples: int, num_examples: int,
+              seed: int) -> list[np.ndarray]:
+    """``parts`` with each trusted client's share replaced by the root data set: ``root_examples`` indices drawn
+    uniformly without replacement from the whole training set by ``(seed, ROOT)`` (FLTrust's clean sample of the
+    task's distribution; the same for every trusted client). Raises if the set is smaller than ``root_examples``."""
+    if root_examples > num_examples:
+        raise ValueError(f"root_examples={root_examples}: the training set has {num_examples} examples.")
+    root = np.sort(seeds.rng(seed, seeds.ROOT).choice(num_examples, root_examples, replace=False))
+    return [root.copy() if client in trusted else part for client, part in enumerate(parts)]
+
+
 def dataset_labels(dataset) -> np.ndarray | None:
     """The label column of ``dataset`` (``labels`` or ``label``), one class per example, or ``None`` when it has
     none. Labels that are not one number per example (token-level labels: sequences) raise a ``ValueError`` naming

@@ -89,8 +89,9 @@ class History(Rule):
     lowest first, at most ``e_max`` of them (``e_max <= f``, the most that leave the inner rule sized for ``f`` on
     ``m - e`` vectors: ``2f < m - e`` for cwtm). The inner pipeline is ``base_pre_aggregators`` then ``base`` (with
     ``base_kwargs``), always sized for the full ``f``: an exclusion is never trusted to have removed a Byzantine
-    client. Diagnostics: ``excluded``, and in simulation ``byzantine_excluded``, ``honest_excluded`` (false
-    exclusions).
+    client. The rows of the inner rule's trusted clients (``base="fltrust"``: ``trusted.py``) are never left out:
+    they are its reference. Diagnostics: ``excluded``, and in simulation ``byzantine_excluded``, ``honest_excluded``
+    (false exclusions).
 
     Per-round bound: at most ``f`` of the ``m - e`` rows kept are Byzantine whichever rows are left out, so the
     inner rule's bound holds on them: for cwtm the output lies in the kept honest vectors' per-coordinate range, within
@@ -146,6 +147,7 @@ class History(Rule):
         self.cap = check_real("history: cap", cap, 0.0, low_open=True)
         self.spread = check_real("history: spread", spread, 0.0)
         self.name = f"history({self.inner.name})"
+        self.protected = tuple(getattr(self.inner.rule, "trusted", ()))  # fltrust's reference rows: never left out
         self.pipeline = describe(self.inner)  # the inner pipeline's settings, as the ledger's protocol records them
 
     def check(self, m, f):
@@ -188,7 +190,7 @@ class History(Rule):
         record = [float(a) for a in agreements(vectors, f, self.cap)[0].tolist()]
         state = self.fold(ctx.state, ctx.clients, record, ctx.key[1] if len(ctx.key) > 1 else 0)
         scores = [state[int(c)][0] for c in ctx.clients]
-        order = sorted(range(m), key=lambda i: (scores[i], i))
+        order = sorted((i for i in range(m) if int(ctx.clients[i]) not in self.protected), key=lambda i: (scores[i], i))
         floor = self.floor(scores)
         out = {i for i in order[: self.most_excluded(m, f)] if scores[i] < floor}
         kept = [i for i in range(m) if i not in out]

@@ -14,6 +14,7 @@ Key layouts (kept as they are: ledgers and runs made before this module replay b
     RANDOM_CHOICE  (RANDOM_CHOICE, s, t, uplink)   the random-choice attack's coins
     GAUSSIAN       (GAUSSIAN, s, t, uplink)        the Gaussian attack's noise
     FANG_TRIM      (FANG_TRIM, s, t, uplink)       the Fang trim attack's draws
+    ROOT           (s, ROOT)                       the trusted clients' root data set (fltrust)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ BUCKETING = 0xB0C7
 RANDOM_CHOICE = 0xC014
 GAUSSIAN = 0x6A55
 FANG_TRIM = 0xFA27
+ROOT = 0x2007
 
 
 def rng(*key: int) -> np.random.Generator:

@@ -41,27 +41,33 @@ from zo_byzantine import ZOByzantineTrainer  # noqa: E402
 from zo_byzantine.features import FeatureHead, Features, collate_features  # noqa: E402
 from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 from zo_byzantine.tasks import load_task  # noqa: E402
+from zo_byzantine.trusted import trusted_clients  # noqa: E402
 
 RULES = ["cwtm", "median", "krum", "multikrum", "geomed", "cclip"]
 CONFIGS = [f"{rule}{suffix}" for rule in RULES for suffix in ("", "+nnm")]
 # every attack of the library that acts on the vectors or the labels (nonfinite: sanitised, a robustness check)
 ATTACKS = ["none", "alie", "foe", "sf", "lf", "tma", "always_small", "always_large", "random_choice", "fang_trim",
            "fang_krum", "gaussian", "nonfinite", "adaptive"]
-DIAGNOSTICS = ("excluded", "honest_excluded", "byzantine_excluded", "struck")  # summed over the run
+DIAGNOSTICS = ("excluded", "honest_excluded", "byzantine_excluded", "struck", "honest_zero_trust",
+               "byzantine_zero_trust")  # summed over the run
+CLIENTS = {"mnist": 40}  # n per task (the features' tasks: real_model's 12); fltrust trusts the last client
 
 
 def parse_config(config: str) -> tuple[str, list[str], dict]:
     """``"cwtm+nnm"`` -> rule ``cwtm`` after the pre-aggregation ``["nnm"]``; ``"krum"`` -> ``krum``, none;
     ``"history"`` / ``"history:cwtm+nnm"``: the agreement history (``zo_byzantine/history.py``) around that
-    pipeline (cwtm by default). Returns the rule, the pre-aggregation and the rule's parameters."""
+    pipeline (cwtm by default); ``"fltrust"`` (``zo_byzantine/trusted.py``; its trusted client is set by
+    ``run_one``). Returns the rule, the pre-aggregation and the rule's parameters."""
     head, _, inner = config.partition(":")
+    if config == "fltrust":
+        return "fltrust", [], {}
     if head == "history":
         rule, pre, kwargs = parse_config(inner or "cwtm")
         return "history", [], {"base": rule, "base_pre_aggregators": pre, "base_kwargs": kwargs}
     rule, _, pre = config.partition("+")
     if rule not in RULES or pre not in ("", "nnm"):
         raise ValueError(f"--configs entry {config!r}; accepted: a rule of {', '.join(RULES)}, optionally '+nnm', "
-                         "or history[:that].")
+                         "history[:that], or fltrust.")
     return rule, [pre] if pre else [], {}
 
 
@@ -103,6 +109,13 @@ def run_one(task: str, seed: int, config: str, attack: str, path: str, args) -> 
     logging.disable(logging.WARNING)
     rule, pre, kwargs = parse_config(config)
     overrides = {"pre_aggregators": pre, "aggregator_kwargs": kwargs, "attack_kwargs": {}}
+    trusted = {"trusted": [CLIENTS.get(task, 12) - 1]}  # the last client is the server's, holding a root set
+    if rule == "fltrust":
+        overrides["aggregator_kwargs"] = trusted
+    elif kwargs.get("base") == "fltrust":
+        overrides["aggregator_kwargs"] = {**kwargs, "base_kwargs": trusted}
+    if trusted_clients(rule, overrides["aggregator_kwargs"]):
+        overrides["root_examples"] = args.root_examples
     if attack in ("alie", "foe"):
         grid = [round(args.omega_step * i, 10) for i in range(int(round(args.omega_max / args.omega_step)) + 1)]
         overrides["attack_kwargs"] = {"omega": "auto", "candidates": grid, "target": "pipeline"}
@@ -194,6 +207,8 @@ def main(argv=None):
     parser.add_argument("--omega_step", type=float, default=0.1, help="the attacker's grid step")
     parser.add_argument("--adaptive_mode", default="greedy", choices=["greedy", "full"], help="attack 'adaptive'")
     parser.add_argument("--adaptive_objective", default="norm", choices=["norm", "against"], help="attack 'adaptive'")
+    parser.add_argument("--root_examples", type=int, default=100, help="fltrust: the trusted client's root set "
+                        "(FLTrust's 100)")
     parser.add_argument("--rounds", type=int, default=600)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--workers", type=int, default=2)

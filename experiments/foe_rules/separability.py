@@ -29,7 +29,7 @@ import foe_rules  # noqa: E402
 from zo_byzantine.aggregators import Rule, build_aggregator, register_aggregator  # noqa: E402
 from zo_byzantine.history import robust_z, statistics  # noqa: E402
 
-NAMES = ("z_along", "z_distance", "z_balance", "z_angle", "angle")
+NAMES = ("z_along", "z_distance", "z_balance", "z_angle", "angle", "cos", "z_cos")
 RECORDS: list[dict] = []
 
 
@@ -49,8 +49,11 @@ class Probe(Rule):
         found, ref = statistics(vectors, ctx.num_byzantine)
         residual = vectors.double() - ref
         angle = (residual @ ref) / (found["distance"] * ref.norm()).clamp_min(torch.finfo(torch.float64).tiny)
+        tiny = torch.finfo(torch.float64).tiny
+        cos = (vectors.double() @ ref) / (vectors.double().norm(dim=1) * ref.norm()).clamp_min(tiny)
         values = {"z_along": robust_z(found["along"]), "z_distance": robust_z(found["distance"]),
-                  "z_balance": robust_z(found["balance"]), "z_angle": robust_z(angle), "angle": angle}
+                  "z_balance": robust_z(found["balance"]), "z_angle": robust_z(angle), "angle": angle,
+                  "cos": cos, "z_cos": robust_z(cos)}
         RECORDS.append({"clients": list(ctx.clients), "byzantine": ctx.byzantine.tolist(),
                         **{k: v.tolist() for k, v in values.items()}})
         return self.inner(vectors, ctx)

@@ -66,9 +66,10 @@ NODE_SETTINGS = (
     "num_clients", "clients_per_round", "num_byzantine", "byzantine_selection", "partition", "dirichlet_alpha",
     "min_client_examples", "per_device_train_batch_size", "zo_seed", "zo_generator", "zo_distribution",
     "learning_rate", "local_learning_rate", "zo_schedule", "zo_cache_budget_gb", "zo_forward_batch_size",
-    "zo_group_by_length", "zo_direction_batch_size", "update_rounding",
+    "zo_group_by_length", "zo_direction_batch_size", "update_rounding", "aggregator", "aggregator_kwargs",
+    "root_examples",
 )
-SETTINGS_FORMAT = 2  # of the kept settings: a change makes every node check its run config again
+SETTINGS_FORMAT = 3  # of the kept settings: a change makes every node check its run config again
 
 
 @dataclass

@@ -64,7 +64,7 @@ def node_federation(args, dataset, store: NodeStore) -> Federation:
     """The run's ``Federation`` (``checks.build_federation``), its partition computed at the node's first plan and
     read back from ``store`` at later ones (the same settings and the same number of examples)."""
     key = json.dumps([len(dataset), args.partition, args.num_clients, args.zo_seed, args.dirichlet_alpha,
-                      args.min_client_examples])
+                      args.min_client_examples, args.root_examples, args.aggregator, args.aggregator_kwargs])
     built = []
 
     def build() -> list:

@@ -1,0 +1,227 @@
+"""FLTrust in R^nu (``zo_byzantine/trusted.py``, issue 46): the rule against a slow reference and its guarantee on
+hostile rows, the refusals, the trusted clients' root data set, and a run that resumes and replays bitwise."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import LogisticRegression, VectorDataset, assert_same_weights, make_trainer, state
+
+from zo_byzantine import Ledger, ZOByzantineArguments, replay
+from zo_byzantine.aggregators import build_aggregator
+from zo_byzantine.checks import build_federation
+from zo_byzantine.context import RoundContext
+from zo_byzantine.federation import partition_dataset, with_root
+from zo_byzantine.ledger import LEDGER_NAME
+from zo_byzantine.trusted import FLTrust, unit_rows
+
+
+def ctx(m, clients=None, byzantine=None, f=1):
+    return RoundContext((0, 0, 1), m, f, byzantine, tuple(range(m)) if clients is None else tuple(clients))
+
+
+def _slow_fltrust(rows, trusted_rows):
+    """Lists and math: g0 the trusted rows' mean; weights relu(cos); rows rescaled to ||g0||; g0 when all are 0."""
+    nu = len(rows[0]) if rows else len(trusted_rows[0])
+    g0 = [sum(r[j] for r in trusted_rows) / len(trusted_rows) for j in range(nu)]
+    size = math.sqrt(sum(x * x for x in g0))
+    out, total = [0.0] * nu, 0.0
+    for r in rows:
+        norm = math.sqrt(sum(x * x for x in r))
+        if norm == 0 or size == 0:
+            continue
+        trust = max(0.0, sum(a * b for a, b in zip(r, g0, strict=True)) / (norm * size))
+        total += trust
+        out = [o + trust * size * x / norm for o, x in zip(out, r, strict=True)]
+    return g0 if total == 0 else [o / total for o in out]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fltrust_matches_a_slow_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    m, nu = 9, 5
+    rows = torch.randn(m, nu, generator=g, dtype=torch.float64)
+    rows[2] = 0.0  # a zero row scores 0
+    trusted = [7] if seed % 2 else [3, 7]
+    out = FLTrust(trusted=trusted)(rows, ctx(m)).value
+    others = [rows[i].tolist() for i in range(m) if i not in trusted]
+    expected = _slow_fltrust(others, [rows[i].tolist() for i in trusted])
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_rows_against_the_reference_get_no_weight_and_the_output_is_g0_when_none_agrees():
+    g0 = torch.tensor([1.0, 2.0, 0.0])
+    honest = torch.tensor([[2.0, 1.0, 1.0], [0.5, 3.0, -1.0]])
+    foe = -4.0 * honest.mean(dim=0)  # (1 - omega) hbar, omega = 5: against g0 here
+    rule = FLTrust(trusted=[0])
+    clean = rule(torch.cat([g0[None], honest]), ctx(3, f=0)).value
+    attacked = rule(torch.cat([g0[None], honest, foe.expand(3, -1)]), ctx(6, byzantine=torch.tensor(
+        [False, False, False, True, True, True]), f=3))
+    torch.testing.assert_close(attacked.value, clean)
+    assert attacked.diagnostics == {"zero_trust": 3, "byzantine_zero_trust": 3, "honest_zero_trust": 0,
+                                    "byzantine_weight": 0.0}
+    alone = rule(torch.cat([g0[None], -honest]), ctx(3, f=0))
+    torch.testing.assert_close(alone.value, g0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_output_stays_in_g0s_ball_and_half_space_whatever_the_byzantine_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    nu = 6
+    honest = torch.randn(5, nu, generator=g, dtype=torch.float64) + 0.5
+    scale = [1e-300, 1.0, 1e150, 1e300][seed % 4]
+    byzantine = scale * torch.randn(4, nu, generator=g, dtype=torch.float64)
+    vectors = torch.cat([honest, byzantine])
+    out = FLTrust(trusted=[0])(vectors, ctx(9, f=4)).value
+    g0 = honest[0]
+    assert torch.isfinite(out).all()
+    assert float(out.norm()) <= float(g0.norm()) * (1 + 1e-12)
+    assert float(out @ g0) >= -1e-12 * float(g0.norm()) ** 2
+
+
+def test_unit_rows_do_not_overflow_and_leave_zero_rows_zero():
+    x = torch.tensor([[3e300, 4e300], [0.0, 0.0], [float("inf"), 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(unit_rows(x), torch.tensor([[0.6, 0.8], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("trusted", [[], (), "3", [1, 1], [-1], [1.0], [True], None])
+def test_bad_trusted_is_refused_naming_it(trusted):
+    with pytest.raises(ValueError, match="trusted"):
+        build_aggregator("fltrust", trusted=trusted)
+
+
+def test_a_round_without_the_trusted_client_or_without_client_ids_is_refused():
+    rows = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="no row of a trusted client"):
+        FLTrust(trusted=[5])(rows, ctx(3))
+    with pytest.raises(ValueError, match="client id of every row"):
+        FLTrust(trusted=[0])(rows, RoundContext((0, 0, 1), 3, 1))
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(aggregator="cwtm", root_examples=10), "root_examples=10"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [8]}), "< num_clients=8"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [1]}), "names Byzantine clients"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [7]}, clients_per_round=4), "clients_per_round=4"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [7]}, root_examples=-1), "root_examples"),
+    (dict(aggregator="fltrust"), "trusted"),
+])
+def test_arguments_refuse_trust_settings_that_cannot_hold(tmp_path, settings, match):
+    with pytest.raises(ValueError, match=match):
+        ZOByzantineArguments(output_dir=str(tmp_path), num_clients=8, num_byzantine=2, report_to=[], **settings)
+
+
+def test_the_root_set_is_seeded_uniform_and_replaces_only_the_trusted_shares():
+    parts = partition_dataset("iid", 200, 5, seed=3)
+    rooted = with_root(parts, (1, 4), 30, 200, seed=3)
+    assert all(np.array_equal(a, b) for i, (a, b) in enumerate(zip(parts, rooted, strict=True)) if i not in (1, 4))
+    assert np.array_equal(rooted[1], rooted[4]) and len(rooted[1]) == 30 == len(set(rooted[1].tolist()))
+    assert np.array_equal(rooted[1], with_root(parts, (1,), 30, 200, seed=3)[1])
+    assert not np.array_equal(rooted[1], with_root(parts, (1,), 30, 200, seed=4)[1])
+    with pytest.raises(ValueError, match="root_examples=201"):
+        with_root(parts, (1,), 201, 200, seed=3)
+
+
+def test_a_trusted_client_drawn_byzantine_is_refused(tmp_path):
+    common = dict(output_dir=str(tmp_path), num_clients=8, num_byzantine=3, byzantine_selection="random", report_to=[],
+                  aggregator="fltrust")
+    drawn = None
+    for client in range(8):
+        args = ZOByzantineArguments(**common, aggregator_kwargs={"trusted": [client]})
+        try:
+            federation = build_federation(args, VectorDataset(64))
+        except ValueError as err:
+            assert "drawn Byzantine" in str(err)
+            drawn = client
+            continue
+        assert not federation.is_byzantine[client]
+    assert drawn is not None  # 3 of 8 are drawn: some trusted choice must be refused
+
+
+SETTINGS = dict(num_clients=6, num_byzantine=2, max_steps=8, learning_rate=0.1, num_perturbations=4,
+                partition="dirichlet", aggregator="fltrust", aggregator_kwargs={"trusted": [5]}, root_examples=24,
+                attack="foe", attack_kwargs={"omega": 3.0})
+
+
+def _model():
+    torch.manual_seed(0)
+    return LogisticRegression()
+
+
+def test_a_run_resumes_and_replays_bitwise_and_the_ledger_records_the_root_set(tmp_path):
+    straight = _model()
+    start = state(straight)
+    first = make_trainer(straight, VectorDataset(128), tmp_path / "a", **SETTINGS)
+    first.train()
+    assert not torch.equal(state(straight)["linear.weight"], start["linear.weight"])
+    saved = Ledger.read(str(tmp_path / "a" / LEDGER_NAME))
+    assert saved["protocol"]["root_examples"] == 24 and saved["protocol"]["aggregator"][-1][1] == {"trusted": [5]}
+    fresh = _model()
+    replay(fresh, Ledger.read(str(tmp_path / "a" / LEDGER_NAME)))
+    assert_same_weights(state(fresh), state(straight))
+
+    make_trainer(_model(), VectorDataset(128), tmp_path / "b", **SETTINGS, save_strategy="steps", save_steps=4).train()
+    resumed_model = _model()
+    resumed = make_trainer(resumed_model, VectorDataset(128), tmp_path / "c", **SETTINGS)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+    assert_same_weights(state(resumed_model), state(straight))
+    other = make_trainer(_model(), VectorDataset(128), tmp_path / "d", **{**SETTINGS, "root_examples": 12})
+    with pytest.raises(Exception, match="root_examples"):
+        other.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+
+
+def test_history_around_fltrust_never_leaves_the_trusted_row_out_and_names_its_clients():
+    from zo_byzantine.history import History
+    from zo_byzantine.trusted import trusted_clients
+
+    rule = History(base="fltrust", base_kwargs={"trusted": [0]}, threshold=1e-9)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(7, 4, generator=g) + 1.0
+    rows[0] = torch.tensor([40.0, -40.0, 40.0, -40.0])  # the trusted row: the worst agreement of the round
+    state = {0: (-5.0, 3, 2)}  # a state that would leave it out first
+    out = rule(rows, RoundContext((0, 3, 1), 7, 2, None, tuple(range(7)), state))
+    assert out.update.state[0][0] < min(out.update.state[c][0] for c in range(1, 7))
+    assert out.diagnostics["excluded"] >= 1  # others were left out, the trusted row was not (fltrust found it)
+    assert trusted_clients("history", {"base": "fltrust", "base_kwargs": {"trusted": [4, 2]}}) == (2, 4)
+    assert trusted_clients("history", {"base": "cwtm"}) == () == trusted_clients("cwtm", {"trusted": [1]})
+
+
+def test_the_cone_strike_keeps_its_cosine_to_g0_and_pushes_against_the_honest_mean():
+    from zo_byzantine.attacks import Adaptive
+
+    g = torch.Generator().manual_seed(1)
+    honest = torch.randn(6, 5, generator=g, dtype=torch.float64) + 1.0
+    clients = (0, 1, 2, 3, 4, 5, 6, 7)  # honest first (the attacker's search order), 6 and 7 Byzantine
+    rows = Adaptive(strike="cone", cones=[0.1, 0.5]).cone_strikes(honest, clients, (5,))
+    g0, hbar = honest[5], honest.mean(dim=0)
+    u = g0 / g0.norm()
+    torch.testing.assert_close(unit_rows(rows) @ u, torch.tensor([0.1, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(rows.norm(dim=1), hbar.norm().expand(2))
+    against = -hbar - (-hbar @ u) * u  # what the strike pushes along, besides u
+    perp = rows - (rows @ u)[:, None] * u
+    torch.testing.assert_close(unit_rows(perp) @ (against / against.norm()), torch.ones(2, dtype=torch.float64))
+    assert len(Adaptive(strike="cone").cone_strikes(honest, clients, ())) == 0  # no trusted report, no cone
+
+
+def test_the_adaptive_attacker_uses_the_cone_against_fltrust_and_does_more_damage_than_without():
+    from zo_byzantine.attacks import Adaptive
+
+    g = torch.Generator().manual_seed(2)
+    nu, h, k = 8, 9, 3
+    honest = torch.randn(h, nu, generator=g, dtype=torch.float64) * 0.5 + 1.0
+    own = torch.randn(k, nu, generator=g, dtype=torch.float64)
+    mask = torch.tensor([True] * k + [False] * h)
+    ctx = RoundContext((0, 0, 1), h + k, k, mask, tuple(range(h + k)))  # clients 0..2 Byzantine, 11 trusted
+    rule = build_aggregator("fltrust", trusted=[h + k - 1])
+    hbar = honest.mean(dim=0)
+
+    def damage(sent):  # the progress taken away along the honest mean
+        return float((hbar - rule(torch.cat([sent, honest]), ctx).value) @ hbar / hbar.norm())
+
+    with_cone = Adaptive(objective="against")(honest, own, rule, ctx)
+    without = Adaptive(strike="foe", objective="against")(honest, own, rule, ctx)
+    assert with_cone.diagnostics["struck"] == 1 and with_cone.diagnostics["omega"] in Adaptive().cones
+    assert damage(with_cone.vectors) > damage(without.vectors)
+    sent = unit_rows(with_cone.vectors) @ unit_rows(honest[-1:].clone())[0]
+    assert bool((sent > 0).all())  # inside the cone: FLTrust still weights it

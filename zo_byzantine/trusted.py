@@ -1,0 +1,111 @@
+"""FLTrust (Cao, Fang, Liu, Gong, NDSS 2021) in R^nu: the server's own report on a clean root data set as the
+reference that the clients' reports are scored against (issue 46).
+
+Why a reference from outside the round: on very heterogeneous clients (MNIST, Dirichlet 0.1) FOE's
+``(1 - omega) hbar`` with omega ~4 lies inside every honest client's range of every statistic measured against the
+round's own consensus (``experiments/foe_rules/separability.md``): the consensus is itself pulled by the attack, and
+honest clients differ persistently by their data. A report computed by a party the server trusts, on data drawn from
+the task's distribution, is not pulled: FOE's vector points against it every round.
+
+In the zeroth-order protocol the trusted party is one more client (or a few) whose id the server knows: it
+evaluates the round's shared directions on its root examples (``ZOByzantineArguments.root_examples``) and reports
+``g0`` in R^nu like any client, so the server still needs no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .aggregators import Rule, _row_norms, register_aggregator
+from .context import Aggregation, RoundContext  # noqa: F401  (RoundContext: the doctest)
+
+
+def trusted_clients(aggregator: str, aggregator_kwargs: dict) -> tuple[int, ...]:
+    """The ids of the clients the server trusts: ``trusted`` of ``aggregator="fltrust"``, or of ``"history"`` around
+    it (``base="fltrust"``, ``base_kwargs``); none for other rules."""
+    if aggregator == "history" and aggregator_kwargs.get("base") == "fltrust":
+        return trusted_clients("fltrust", aggregator_kwargs.get("base_kwargs") or {})
+    return tuple(sorted(aggregator_kwargs.get("trusted", ()))) if aggregator == "fltrust" else ()
+
+
+def check_trusted_ids(rule: str, trusted) -> tuple[int, ...]:
+    """``trusted`` as a sorted tuple of distinct client ids; a ``ValueError`` naming ``rule`` and it otherwise."""
+    if isinstance(trusted, str | bytes) or not isinstance(trusted, Sequence) or not trusted or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in trusted):
+        raise ValueError(f"{rule}: trusted={trusted!r}: a non-empty list of client ids (integers >= 0), the "
+                         "clients the server trusts (they hold its root data set: root_examples).")
+    if len(set(trusted)) != len(trusted):
+        raise ValueError(f"{rule}: trusted={list(trusted)!r} names a client twice.")
+    return tuple(sorted(trusted))
+
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x_i / ||x_i||`` per row (zeros where ``||x_i||`` is 0 or not finite), without overflow: a row is divided
+    by its largest entry first."""
+    scale = x.abs().amax(dim=1, keepdim=True)
+    usable = torch.isfinite(scale) & (scale > 0)
+    scaled = torch.where(usable, x / torch.where(usable, scale, 1.0), 0.0)
+    norms = scaled.norm(dim=1, keepdim=True)
+    return torch.where(usable & (norms > 0), scaled / norms.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
+
+
+@register_aggregator("fltrust")
+class FLTrust(Rule):
+    """``g0`` the mean of the trusted clients' rows; every other row ``v_i`` gets the trust score ``TS_i =
+    relu(cos(v_i, g0))`` and is rescaled to ``g0``'s norm; the output is ``sum_i TS_i ||g0|| v_i / ||v_i|| / sum_i
+    TS_i`` over the untrusted rows, and ``g0`` itself when no row has a positive score (the trusted rows are the
+    reference, not voters, as in the paper). A row of norm 0 scores 0.
+
+    Guarantee, whatever the Byzantine rows (the trusted ones honest): the output is a convex combination of vectors of
+    norm ``||g0||`` in the half-space ``<x, g0> >= 0``, so ``||out|| <= ||g0||`` and ``<out, g0> >= 0``: the round
+    never steps against the trusted report (a Byzantine row sent against ``g0``, as FOE's ``(1 - omega) hbar``,
+    omega > 1, is whenever ``hbar`` and ``g0`` agree, has weight 0); the ``b`` Byzantine rows hold at most a share
+    ``b / (b + sum_H TS_h)`` of the weight, so ``||out - a_H|| <= 2 ||g0|| b / (b + sum_H TS_h)`` with ``a_H`` the
+    honest rows' own weighted combination. Any number of Byzantine clients is tolerated (``f < m``).
+
+    Not guaranteed: that ``g0`` stands for the honest clients (the root set must be drawn from the task's
+    distribution; a small one is a noisy reference, and honest clients whose data disagree with it lose weight: the
+    cost measured with no attack); and an attacker that knows ``g0`` can send a row at a small positive angle to it
+    carrying a component against ``hbar`` orthogonal to ``g0``, within its weight share above (``attack="adaptive"``'s
+    cone strike). Stateless: over ``W`` rounds the deviations add, at most ``W`` times the per-round one.
+    Diagnostics: ``zero_trust`` (untrusted rows of score 0), in simulation ``byzantine_zero_trust`` and
+    ``honest_zero_trust``, and ``byzantine_weight`` (the Byzantine rows' share of the weight).
+
+    >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=3, num_byzantine=1, clients=(0, 1, 2))
+    >>> FLTrust(trusted=[2])(torch.tensor([[3.0, 4.0], [-1.0, 0.0], [0.0, 2.0]]), ctx).value
+    tensor([1.2000, 1.6000])
+    """
+
+    name = "fltrust"
+
+    def __init__(self, trusted: Sequence[int] = ()):
+        self.trusted = check_trusted_ids("fltrust", trusted)
+
+    def aggregate(self, vectors, ctx):
+        if ctx.clients is None or len(ctx.clients) != len(vectors):
+            raise ValueError(f"{self.name}: needs the client id of every row (ctx.clients); got {ctx.clients!r} (a "
+                             "pre-aggregation step that mixes rows, such as bucketing, cannot come before it).")
+        is_trusted = torch.tensor([int(c) in self.trusted for c in ctx.clients], device=vectors.device)
+        if not bool(is_trusted.any()):
+            raise ValueError(f"{self.name}: no row of a trusted client (trusted={list(self.trusted)}) in this round "
+                             f"(clients {list(ctx.clients)}): the reference is missing. A trusted client must take "
+                             "part in every round (clients_per_round=None, or a deployment where it always reports).")
+        g0 = vectors[is_trusted].mean(dim=0)
+        others = vectors[~is_trusted]
+        units = unit_rows(others)
+        size = _row_norms(g0[None])[0]
+        reference = unit_rows(g0[None])[0]
+        trust = (units @ reference).clamp_min(0.0)
+        total = trust.sum()
+        diagnostics = {"zero_trust": int((trust == 0).sum())}
+        byzantine = ctx.byzantine_rows()
+        if byzantine is not None:
+            untrusted = byzantine.to(vectors.device)[~is_trusted]
+            diagnostics["byzantine_zero_trust"] = int(((trust == 0) & untrusted).sum())
+            diagnostics["honest_zero_trust"] = int(((trust == 0) & ~untrusted).sum())
+            diagnostics["byzantine_weight"] = float(trust[untrusted].sum() / total) if float(total) > 0 else 0.0
+        if not float(total) > 0:
+            return Aggregation(g0, diagnostics)
+        return Aggregation(size * (trust / total) @ units, diagnostics)
