@@ -62,9 +62,6 @@ CASES = {
     "median, nonfinite node, compressed": (
         dict(num_clients=4, clients_per_round=4, aggregator="median", local_steps=2, local_update="compressed",
              **{"min-nodes": 4}), {"0": {"attack": "nonfinite"}}, "nonfinite"),
-    "fltrust, the trusted node on its root set, sign-flipping node": (
-        dict(num_clients=4, clients_per_round=4, aggregator="fltrust", aggregator_kwargs='{"trusted": [3]}',
-             root_examples=20, **{"min-nodes": 4, "task-examples": 90}), {"0": {"attack": "sf"}}, "sf"),
 }
 
 

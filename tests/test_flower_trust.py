@@ -11,12 +11,14 @@ import pytest
 import torch
 from flower_helpers import (
     LoopbackGrid,
+    assert_same_rounds,
     coordinator,
     make_node_keys,
     node_weights,
     nodes,
     replayed_weights,
     run_config,
+    trainer_ledger,
 )
 
 from zo_byzantine.flower import read_client_keys, read_plan, read_rounds_log
@@ -395,3 +397,28 @@ def test_every_rejection_and_missed_deadline_is_recorded_with_node_client_and_ro
         entry = coord.rounds_log[t]
         assert entry["problems"] == [{"round": t, "node": 100 + victims[t], "client": victims[t], "reason": reason}]
         assert entry["rejected"] == (t < 5) and entry["missed"] == (t == 5)
+
+
+# ----- 4. a trusted client (fltrust): bound by its key, on its root set ------------------------------------------
+
+
+def test_fltrust_runs_with_its_trusted_node_bound_by_client_keys_as_the_trainer_does(tmp_path):
+    """The trusted client 3 holds the 20-example root set on its node and on the server (the report's size is checked
+    against the server's partition), a sign-flipping node 0, and the ledger is the trainer's."""
+    path, pem = _keys(tmp_path, {100: 0, 101: 1, 102: 2, 103: 3})
+    config = run_config(rounds=3, num_clients=4, clients_per_round=4, aggregator="fltrust",
+                        aggregator_kwargs='{"trusted": [3]}', root_examples=20,
+                        **{"min-nodes": 4, "task-examples": 90, "client-keys": path})
+    grid = LoopbackGrid(config, nodes(4, **{"0": {"attack": "sf"}}), keys=pem)
+    coord = coordinator(config, grid)
+    coord.run(grid)
+    assert coord.sizes[3] == 20 and all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+    reference, _ = trainer_ledger(config, tmp_path / "simulation", attack="sf")
+    assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
+
+
+def test_fltrust_without_client_keys_is_refused_naming_both():
+    from zo_byzantine.flower import read_run_config
+
+    with pytest.raises(ValueError, match="'aggregator'='fltrust' trusts clients \\[2\\], but 'client-keys' is empty"):
+        read_run_config(run_config(aggregator="fltrust", aggregator_kwargs='{"trusted": [2]}'))

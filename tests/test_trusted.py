@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import LogisticRegression, VectorDataset, assert_same_weights, make_trainer, state
 
-from zo_byzantine import Ledger, ZOByzantineArguments, replay
+from zo_byzantine import Ledger, LedgerError, ZOByzantineArguments, replay
 from zo_byzantine.aggregators import build_aggregator
 from zo_byzantine.checks import build_federation
 from zo_byzantine.context import RoundContext
-from zo_byzantine.federation import partition_dataset, with_root
+from zo_byzantine.federation import byzantine_mask, partition_dataset, with_root
 from zo_byzantine.ledger import LEDGER_NAME
 from zo_byzantine.trusted import FLTrust, unit_rows
 
@@ -102,10 +102,13 @@ def test_a_round_without_the_trusted_client_or_without_client_ids_is_refused():
 @pytest.mark.parametrize("settings,match", [
     (dict(aggregator="cwtm", root_examples=10), "root_examples=10"),
     (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [8]}), "< num_clients=8"),
-    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [1]}), "names Byzantine clients"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [1]}), "clients 0..1 are Byzantine"),
     (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [7]}, clients_per_round=4), "clients_per_round=4"),
     (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [7]}, root_examples=-1), "root_examples"),
     (dict(aggregator="fltrust"), "trusted"),
+    (dict(aggregator="fltrust", aggregator_kwargs={"trusted": [7]}, pre_aggregators=["nnm"]), "pre-aggregation"),
+    (dict(aggregator="history", aggregator_kwargs={"base": "fltrust", "base_kwargs": {"trusted": [7]},
+                                                   "base_pre_aggregators": ["bucketing:s=2"]}), "pre-aggregation"),
 ])
 def test_arguments_refuse_trust_settings_that_cannot_hold(tmp_path, settings, match):
     with pytest.raises(ValueError, match=match):
@@ -119,24 +122,44 @@ def test_the_root_set_is_seeded_uniform_and_replaces_only_the_trusted_shares():
     assert np.array_equal(rooted[1], rooted[4]) and len(rooted[1]) == 30 == len(set(rooted[1].tolist()))
     assert np.array_equal(rooted[1], with_root(parts, (1,), 30, 200, seed=3)[1])
     assert not np.array_equal(rooted[1], with_root(parts, (1,), 30, 200, seed=4)[1])
-    with pytest.raises(ValueError, match="root_examples=201"):
+    with pytest.raises(ValueError, match="root_examples=201: .* accepted: 0 \\(off\\) or 1..200"):
         with_root(parts, (1,), 201, 200, seed=3)
 
 
-def test_a_trusted_client_drawn_byzantine_is_refused(tmp_path):
+def test_a_trusted_client_drawn_byzantine_is_refused_before_any_work(tmp_path):
     common = dict(output_dir=str(tmp_path), num_clients=8, num_byzantine=3, byzantine_selection="random", report_to=[],
                   aggregator="fltrust")
-    drawn = None
+    refused = set()
     for client in range(8):
-        args = ZOByzantineArguments(**common, aggregator_kwargs={"trusted": [client]})
         try:
-            federation = build_federation(args, VectorDataset(64))
+            args = ZOByzantineArguments(**common, aggregator_kwargs={"trusted": [client]})
         except ValueError as err:
-            assert "drawn Byzantine" in str(err)
-            drawn = client
+            assert "names Byzantine clients" in str(err) and f"clients [{client}] are drawn Byzantine" in str(err)
+            refused.add(client)
             continue
-        assert not federation.is_byzantine[client]
-    assert drawn is not None  # 3 of 8 are drawn: some trusted choice must be refused
+        assert not build_federation(args, VectorDataset(64)).is_byzantine[client]
+    assert refused == set(np.flatnonzero(byzantine_mask(8, 3, common_seed(tmp_path), "random")).tolist())
+    assert len(refused) == 3
+
+
+def common_seed(tmp_path) -> int:
+    """The zo_seed a run without one gets: its seed (TrainingArguments' default 42)."""
+    return ZOByzantineArguments(output_dir=str(tmp_path), report_to=[]).zo_seed
+
+
+def test_a_round_without_a_trusted_report_is_skipped_not_a_crash():
+    from zo_byzantine.messages import Report
+    from zo_byzantine.perturbation import ParameterTable
+    from zo_byzantine.server import Server, Settings
+
+    rules = (("fltrust", {"trusted": [4]}), ("history", {"base": "fltrust", "base_kwargs": {"trusted": [4]}}))
+    for rule, kwargs in rules:
+        server = Server(Settings(zo_seed=1, num_perturbations=3, num_byzantine=1), build_aggregator(rule, **kwargs),
+                        ParameterTable(torch.nn.Linear(2, 1)))
+        plan = server.plan(0, [0, 1, 2, 3], 0.1)
+        reports = [Report(0, c, torch.ones(1, 3, dtype=torch.float64), 1.0, 4) for c in range(4)]
+        downlink = server.aggregate(plan, reports, 0.1)  # the trusted client 4 did not report (a Flower timeout)
+        assert downlink.skipped and "trusted client [4]" in downlink.skipped
 
 
 SETTINGS = dict(num_clients=6, num_byzantine=2, max_steps=8, learning_rate=0.1, num_perturbations=4,
@@ -167,7 +190,7 @@ def test_a_run_resumes_and_replays_bitwise_and_the_ledger_records_the_root_set(t
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
     assert_same_weights(state(resumed_model), state(straight))
     other = make_trainer(_model(), VectorDataset(128), tmp_path / "d", **{**SETTINGS, "root_examples": 12})
-    with pytest.raises(Exception, match="root_examples"):
+    with pytest.raises(LedgerError, match="protocol.root_examples: the ledger has int 24, this run int 12"):
         other.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
 
 

@@ -15,7 +15,7 @@ from .bounds import check_bounds
 from .context import SizingError
 from .directions import DISTRIBUTIONS, GENERATORS, build_directions
 from .estimators import ESTIMATORS
-from .federation import PARTITIONS
+from .federation import PARTITIONS, byzantine_mask
 from .messages import LOCAL_UPDATES
 from .optim import SERVER_OPTIMIZERS
 from .server import Settings
@@ -290,10 +290,18 @@ class ZOByzantineArguments(TrainingArguments):
         if max(trusted) >= self.num_clients:
             raise ValueError(f"aggregator_kwargs trusted={list(trusted)}: client ids must be < num_clients="
                              f"{self.num_clients}.")
-        if self.byzantine_selection == "first" and min(trusted) < self.num_byzantine:
+        byzantine = byzantine_mask(self.num_clients, self.num_byzantine, self.zo_seed, self.byzantine_selection)
+        drawn = [c for c in trusted if byzantine[c]]
+        if drawn:
+            how = (f"clients 0..{self.num_byzantine - 1} are Byzantine" if self.byzantine_selection == "first" else
+                   f"clients {drawn} are drawn Byzantine for zo_seed={self.zo_seed}")
             raise ValueError(f"aggregator_kwargs trusted={list(trusted)} names Byzantine clients: with "
-                             f"byzantine_selection='first' clients 0..{self.num_byzantine - 1} are Byzantine; trust "
-                             f"ids >= num_byzantine={self.num_byzantine}.")
+                             f"byzantine_selection={self.byzantine_selection!r} {how}; trust other ids.")
+        steps = [*self.pre_aggregators, *(self.aggregator_kwargs.get("base_pre_aggregators") or ())]
+        if steps:
+            raise ValueError(f"pre-aggregation {steps} before fltrust: a step that mixes rows would mix Byzantine rows "
+                             "into the trusted reference; accepted: pre_aggregators=[] (and base_pre_aggregators=[] in "
+                             "history around it).")
         if self.clients_per_round not in (None, self.num_clients):
             raise ValueError(f"clients_per_round={self.clients_per_round} with trusted clients ({self.aggregator!r}): "
                              "a round drawn without one has no reference; accepted: clients_per_round=None (all).")

@@ -20,6 +20,7 @@ from . import seeds
 from .context import AttackOutput, RoundContext
 from .ordering import sort_values
 from .registry import Registry
+from .trusted import reference_clients
 from .validation import check_fraction, check_integer, check_real, is_number
 
 ATTACKS = Registry("attack")
@@ -370,7 +371,7 @@ class Adaptive(Attack):
         hbar, k = honest.mean(dim=0), len(own)
         history = getattr(rule, "rule", None)
         search = search_context(ctx, len(honest), k)
-        trusted = getattr(history, "trusted", None) or getattr(history, "protected", ())
+        trusted = reference_clients(history) if history is not None else ()
         if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
             rows, omegas = self.strikes(honest, hbar, search.clients, trusted)
             if not len(rows):

@@ -82,9 +82,9 @@ def build_federation(zo: ZOByzantineArguments, dataset) -> Federation:
     parts = partition_dataset(
         zo.partition, len(dataset), zo.num_clients, zo.zo_seed, labels, zo.dirichlet_alpha, zo.min_client_examples
     )
-    trusted = trusted_clients(zo.aggregator, zo.aggregator_kwargs)
     if zo.root_examples:
-        parts = with_root(parts, trusted, zo.root_examples, len(dataset), zo.zo_seed)
+        parts = with_root(parts, trusted_clients(zo.aggregator, zo.aggregator_kwargs), zo.root_examples, len(dataset),
+                          zo.zo_seed)
     small = [(c, len(p)) for c, p in enumerate(parts) if len(p) < zo.per_device_train_batch_size]
     if small:
         logger.warning(
@@ -93,19 +93,8 @@ def build_federation(zo: ZOByzantineArguments, dataset) -> Federation:
             "lower the batch to avoid it.", len(small), zo.per_device_train_batch_size,
             ", ".join(f"{c}: {k}" for c, k in small[:10]),
         )
-    federation = Federation(parts, zo.per_device_train_batch_size, zo.num_byzantine, zo.zo_seed,
-                            zo.clients_per_round, zo.byzantine_selection)
-    check_trusted_honest(federation, trusted)
-    return federation
-
-
-def check_trusted_honest(federation: Federation, trusted) -> None:
-    """A trusted client drawn Byzantine (``byzantine_selection='random'``) is refused: its report is the reference."""
-    drawn = [c for c in trusted if federation.is_byzantine[c]]
-    if drawn:
-        raise ValueError(f"aggregator_kwargs trusted={list(trusted)}: clients {drawn} were drawn Byzantine by "
-                         "byzantine_selection='random' for this zo_seed; trust other ids or use "
-                         "byzantine_selection='first' (clients 0..b-1).")
+    return Federation(parts, zo.per_device_train_batch_size, zo.num_byzantine, zo.zo_seed, zo.clients_per_round,
+                      zo.byzantine_selection)
 
 
 def check_label_flipping(attack: Attack, model, dataset) -> None:

@@ -78,13 +78,25 @@ def partition_dataset(
     )
 
 
+def byzantine_mask(num_clients: int, num_byzantine: int, seed: int, selection: str = "first") -> np.ndarray:
+    """Which clients are Byzantine: ``0..b-1`` (``"first"``) or ``b`` drawn by ``(seed, BYZANTINE_SET)``."""
+    if selection == "first":
+        chosen = np.arange(num_byzantine)
+    else:
+        chosen = seeds.rng(seed, seeds.BYZANTINE_SET).choice(num_clients, num_byzantine, replace=False)
+    mask = np.zeros(num_clients, dtype=bool)
+    mask[chosen] = True
+    return mask
+
+
 def with_root(parts: list[np.ndarray], trusted: Sequence[int], root_examples: int, num_examples: int,
               seed: int) -> list[np.ndarray]:
     """``parts`` with each trusted client's share replaced by the root data set: ``root_examples`` indices drawn
     uniformly without replacement from the whole training set by ``(seed, ROOT)`` (FLTrust's clean sample of the
     task's distribution; the same for every trusted client). Raises if the set is smaller than ``root_examples``."""
     if root_examples > num_examples:
-        raise ValueError(f"root_examples={root_examples}: the training set has {num_examples} examples.")
+        raise ValueError(f"root_examples={root_examples}: the training set has {num_examples} examples; accepted: "
+                         f"0 (off) or 1..{num_examples}.")
     root = np.sort(seeds.rng(seed, seeds.ROOT).choice(num_examples, root_examples, replace=False))
     return [root.copy() if client in trusted else part for client, part in enumerate(parts)]
 
@@ -141,12 +153,7 @@ class Federation:
         self.batch_size = batch_size
         self.seed = seed
         self.clients_per_round = clients_per_round or self.num_clients
-        if byzantine_selection == "first":
-            byzantine = np.arange(num_byzantine)
-        else:
-            byzantine = seeds.rng(seed, seeds.BYZANTINE_SET).choice(self.num_clients, num_byzantine, replace=False)
-        self.is_byzantine = np.zeros(self.num_clients, dtype=bool)
-        self.is_byzantine[byzantine] = True
+        self.is_byzantine = byzantine_mask(self.num_clients, num_byzantine, seed, byzantine_selection)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     def participants(self, round_index: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from .context import RoundContext, SizingError
 from .messages import Downlink, Plan, Report
 from .optim import update_fits
 from .perturbation import ParameterTable
+from .trusted import reference_clients
 from .validation import is_integer
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,9 @@ class Server:
         dense_space = plan.first_order or s.aggregation_space == "parameter"
         stacked = torch.stack([r.scalars for r in reports])  # m x uplinks x width
         dense, state, clients = None, self.history, tuple(r.client for r in reports)
+        reference = reference_clients(self.rule.rule)
+        if reference and not set(reference) & set(clients):
+            raise SkipRound(f"no report of a trusted client {list(reference)}: the rule's reference is missing")
         for u, step in enumerate(plan.uplink_steps):
             ctx = RoundContext((s.zo_seed, plan.round, u + 1), m, f, byzantine, clients, state)
             vectors = stacked[:, u]

@@ -30,6 +30,12 @@ def trusted_clients(aggregator: str, aggregator_kwargs: dict) -> tuple[int, ...]
     return tuple(sorted(aggregator_kwargs.get("trusted", ()))) if aggregator == "fltrust" else ()
 
 
+def reference_clients(rule) -> tuple[int, ...]:
+    """The client ids whose rows a rule takes as its reference: ``fltrust``'s ``trusted``, or those of the ``fltrust``
+    inside a ``history`` (its ``protected``); none for other rules. A round without one of them has no reference."""
+    return tuple(getattr(rule, "trusted", None) or getattr(rule, "protected", None) or ())
+
+
 def check_trusted_ids(rule: str, trusted) -> tuple[int, ...]:
     """``trusted`` as a sorted tuple of distinct client ids; a ``ValueError`` naming ``rule`` and it otherwise."""
     if isinstance(trusted, str | bytes) or not isinstance(trusted, Sequence) or not trusted or not all(
@@ -63,13 +69,17 @@ class FLTrust(Rule):
     never steps against the trusted report (a Byzantine row sent against ``g0``, as FOE's ``(1 - omega) hbar``,
     omega > 1, is whenever ``hbar`` and ``g0`` agree, has weight 0); the ``b`` Byzantine rows hold at most a share
     ``b / (b + sum_H TS_h)`` of the weight, so ``||out - a_H|| <= 2 ||g0|| b / (b + sum_H TS_h)`` with ``a_H`` the
-    honest rows' own weighted combination. Any number of Byzantine clients is tolerated (``f < m``).
+    honest rows' own weighted combination. The bound needs no limit on ``b`` (the library's arguments still keep
+    ``b < n / 2``, as for every rule).
 
     Not guaranteed: that ``g0`` stands for the honest clients (the root set must be drawn from the task's
     distribution; a small one is a noisy reference, and honest clients whose data disagree with it lose weight: the
     cost measured with no attack); and an attacker that knows ``g0`` can send a row at a small positive angle to it
     carrying a component against ``hbar`` orthogonal to ``g0``, within its weight share above (``attack="adaptive"``'s
-    cone strike). Stateless: over ``W`` rounds the deviations add, at most ``W`` times the per-round one.
+    cone strike). That share is large where honest rows sit at small cosines to ``g0`` (R^nu with few directions,
+    heterogeneous clients): identical Byzantine rows add coherently while honest ones cancel; measured, the cone takes
+    17 to 37 points on MNIST, SST-2 and TREC (``experiments/foe_rules/README.md``). Stateless: over ``W`` rounds the
+    deviations add, at most ``W`` times the per-round one.
     Diagnostics: ``zero_trust`` (untrusted rows of score 0), in simulation ``byzantine_zero_trust`` and
     ``honest_zero_trust``, and ``byzantine_weight`` (the Byzantine rows' share of the weight).
 

@@ -48,6 +48,7 @@ import torch
 
 from ..aggregators import parse_step
 from ..attacks import Attack, build_attack
+from ..trusted import trusted_clients
 from ..validation import check_choice, check_integer, check_real
 
 if TYPE_CHECKING:
@@ -152,6 +153,12 @@ def read_run_config(config: dict, output_dir: str = "/tmp/zo_byzantine_flower") 
     eval_every = check_integer("run config 'eval-every'", _value(config, "eval-every", int, 0), 0)
     catch_up = check_integer("run config 'catch-up-limit'", _value(config, "catch-up-limit", int, 64), 1)
     keys = _value(config, "client-keys", str, "")
+    trusted = trusted_clients(args.aggregator, args.aggregator_kwargs)
+    if trusted and not keys:
+        raise ValueError(f"run config 'aggregator'={args.aggregator!r} trusts clients {list(trusted)}, but "
+                         "'client-keys' is empty: the first node to claim a trusted id would hold it, a Byzantine one "
+                         "included. Accepted: 'client-keys' naming the file that binds SuperNode public keys to client "
+                         "ids.")
     return Deployment(args, task, rounds, timeout, min_nodes, startup, out, eval_every, catch_up, keys)
 
 
