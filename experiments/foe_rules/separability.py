@@ -3,10 +3,10 @@
 Runs MNIST (``foe_rules.build_trainer``'s: n = 40, b = 10, nu = 64, Dirichlet 0.1) under plain CWTM with a fixed
 attack and omega, records every round's per-row statistics of ``zo_byzantine.history.statistics`` (component along
 the trimmed-mean reference ``c``, distance to it, sign balance of the residual) plus the residual's angle to the
-reference, ``cos_i = <v_i - c, c> / (||v_i - c|| ||c||)``, each also as a robust z score over the round's rows, and
-writes ``separability.md``: per statistic, the honest rows' spread in one round, and the range of the honest
-clients' means over the rounds beside the Byzantine clients' mean. A statistic separates an attack where the
-Byzantine mean lies outside the honest clients' range.
+reference, ``cos_i = <v_i - c, c> / (||v_i - c|| ||c||)``, and the row's own cosine to it, each also as a robust z
+score over the round's rows, and writes ``separability.md``: per statistic, the honest rows' spread in one round, and
+the range of the honest clients' means over the rounds beside the Byzantine clients' mean. A statistic separates an
+attack where the Byzantine mean lies outside the honest clients' range.
 
     python experiments/foe_rules/separability.py                  # none, FOE 0.5 / 2 / 7 / 10, ALIE 1 / 3.8
 """
@@ -101,7 +101,9 @@ def main(argv=None):
              "statistic: "
              "the honest rows' standard deviation within a round (mean over rounds); the honest clients' means over "
              "the rounds, min..max; the Byzantine clients' mean (under none: the 10 designated clients' own honest "
-             "rows). z_*: robust z over the round's rows; angle: cos of the residual v_i - c to the reference c.", "",
+             "rows). z_*: robust z over the round's rows; angle: cos of the residual v_i - c to the reference c; cos: "
+             "cos of v_i itself to c (FOE's -hbar direction is invisible in it at omega 7 and 10: c is pulled by "
+             "the attack's rows).", "",
              "| attack | omega | " + " | ".join(NAMES) + " |", "|---|---|" + "---|" * len(NAMES)]
     for attack, omega in runs:
         records = probe(attack, omega, args.rounds, args.mnist_dir)
