@@ -2,10 +2,12 @@
 reference that the clients' reports are scored against (issue 46).
 
 Why a reference from outside the round: on very heterogeneous clients (MNIST, Dirichlet 0.1) FOE's
-``(1 - omega) hbar`` with omega ~4 lies inside every honest client's range of every statistic measured against the
-round's own consensus (``experiments/foe_rules/separability.md``): the consensus is itself pulled by the attack, and
-honest clients differ persistently by their data. A report computed by a party the server trusts, on data drawn from
-the task's distribution, is not pulled: FOE's vector points against it every round.
+``(1 - omega) hbar`` is not left out by the rules that measure rows against the round's own consensus
+(``experiments/foe_rules/README.md``): the consensus is itself pulled by the attack (``separability.md``: at omega 7
+and 10 FOE's cosine to it lies inside the honest clients' range), and honest clients differ persistently by their
+data. A report computed by a party the server trusts, on data drawn from the task's distribution, is not pulled:
+FOE's vector points against it whenever ``hbar`` and ``g0`` agree. An attacker that knows ``g0`` is another matter
+(:class:`FLTrust`'s docstring).
 
 In the zeroth-order protocol the trusted party is one more client (or a few) whose id the server knows: it
 evaluates the round's shared directions on its root examples (``ZOByzantineArguments.root_examples``) and reports
