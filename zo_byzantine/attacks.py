@@ -371,7 +371,7 @@ class Adaptive(Attack):
         hbar, k = honest.mean(dim=0), len(own)
         history = getattr(rule, "rule", None)
         search = search_context(ctx, len(honest), k)
-        trusted = reference_clients(history) if history is not None else ()
+        trusted = reference_clients(history)
         if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
             rows, omegas = self.strikes(honest, hbar, search.clients, trusted)
             if not len(rows):
