@@ -21,33 +21,71 @@ def ctx(m, clients=None, byzantine=None, f=1):
     return RoundContext((0, 0, 1), m, f, byzantine, tuple(range(m)) if clients is None else tuple(clients))
 
 
-def _slow_fltrust(rows, trusted_rows):
-    """Lists and math: g0 the trusted rows' mean; weights relu(cos); rows rescaled to ||g0||; g0 when all are 0."""
+def _slow_fltrust(rows, trusted_rows, scale="g0", weights="cosine"):
+    """Lists and math: g0 the trusted rows' mean; weights relu(cos) (or 1 where cos > 0); rows rescaled to ||g0||
+    (or to the median norm of all rows, trusted ones included); g0 (at that norm) when every weight is 0."""
     nu = len(rows[0]) if rows else len(trusted_rows[0])
     g0 = [sum(r[j] for r in trusted_rows) / len(trusted_rows) for j in range(nu)]
-    size = math.sqrt(sum(x * x for x in g0))
+    size = g0_norm = math.sqrt(sum(x * x for x in g0))
+    if scale == "median":
+        norms = sorted(math.sqrt(sum(x * x for x in r)) for r in rows + trusted_rows)
+        half = len(norms) // 2
+        size = norms[half] if len(norms) % 2 else (norms[half - 1] + norms[half]) / 2
     out, total = [0.0] * nu, 0.0
     for r in rows:
         norm = math.sqrt(sum(x * x for x in r))
-        if norm == 0 or size == 0:
+        if norm == 0 or g0_norm == 0:
             continue
-        trust = max(0.0, sum(a * b for a, b in zip(r, g0, strict=True)) / (norm * size))
+        cosine = sum(a * b for a, b in zip(r, g0, strict=True)) / (norm * g0_norm)
+        trust = max(0.0, cosine) if weights == "cosine" else float(cosine > 0)
         total += trust
         out = [o + trust * size * x / norm for o, x in zip(out, r, strict=True)]
-    return g0 if total == 0 else [o / total for o in out]
+    if total == 0:
+        return [size * x / g0_norm if g0_norm else 0.0 for x in g0]
+    return [o / total for o in out]
 
 
+@pytest.mark.parametrize("scale,weights", [("g0", "cosine"), ("median", "cosine"), ("g0", "sign"),
+                                           ("median", "sign")])
 @pytest.mark.parametrize("seed", range(6))
-def test_fltrust_matches_a_slow_reference(seed):
+def test_fltrust_matches_a_slow_reference(seed, scale, weights):
     g = torch.Generator().manual_seed(seed)
-    m, nu = 9, 5
-    rows = torch.randn(m, nu, generator=g, dtype=torch.float64)
+    m, nu = 9 - seed % 2, 5  # an odd and an even number of rows: the median norm of both kinds
+    rows = torch.randn(m, nu, generator=g, dtype=torch.float64) * torch.rand(m, 1, generator=g, dtype=torch.float64)
     rows[2] = 0.0  # a zero row scores 0
     trusted = [7] if seed % 2 else [3, 7]
-    out = FLTrust(trusted=trusted)(rows, ctx(m)).value
+    out = FLTrust(trusted=trusted, scale=scale, weights=weights)(rows, ctx(m)).value
     others = [rows[i].tolist() for i in range(m) if i not in trusted]
-    expected = _slow_fltrust(others, [rows[i].tolist() for i in trusted])
+    expected = _slow_fltrust(others, [rows[i].tolist() for i in trusted], scale, weights)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_the_median_scale_is_set_by_the_honest_norms_and_sign_weights_count_rows():
+    """b < m / 2 rows of any norm leave the median norm in the honest norms' range; with sign weights every row at a
+    positive cosine counts once (two identical rows: twice), whatever its cosine; g0 alone is rescaled too."""
+    g0, honest = torch.tensor([1.0, 0.0]), torch.tensor([[0.0, 3.0], [1.0, 1.0], [4.0, -1.0]])
+    rule = FLTrust(trusted=[0], scale="median", weights="sign")
+    kept = unit_rows(torch.tensor([[1.0, 1.0], [4.0, -1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]))  # cos > 0 to g0
+    for byzantine, median in ((1e30, math.sqrt(17)), (1e-30, 1.0)):  # huge or tiny, 3 of 7 rows: an honest median
+        vectors = torch.cat([g0[None], honest, byzantine * torch.tensor([[1.0, 1.0]]).expand(3, -1)])
+        out = rule(vectors, ctx(7, f=3)).value
+        torch.testing.assert_close(out, median * kept.mean(dim=0))
+    vectors = torch.tensor([[2.0, 0.0], [1.0, 0.1], [1.0, 3.0], [1.0, 3.0], [-1.0, 0.0]])
+    out = rule(vectors, ctx(5, f=0)).value  # median norm 2 (of 1, 1.005, 2, 3.16, 3.16); kept: cos 0.995, 0.32, 0.32
+    units = unit_rows(vectors[1:4])
+    torch.testing.assert_close(out, 2.0 * units.mean(dim=0))
+    alone = rule(torch.tensor([[2.0, 0.0], [-1.0, 0.0], [-3.0, 0.0]]), ctx(3, f=0)).value
+    torch.testing.assert_close(alone, torch.tensor([2.0, 0.0]))  # median norm 2: g0 rescaled to 2
+
+
+@pytest.mark.parametrize("kwargs,match", [({"scale": "max"}, "fltrust: scale='max' is not supported; accepted: "
+                                           "g0, median"),
+                                          ({"weights": "relu"}, "fltrust: weights='relu' is not supported; accepted: "
+                                           "cosine, sign")])
+def test_bad_scale_or_weights_are_refused_naming_them(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        ZOByzantineArguments(output_dir=str(tmp_path), aggregator="fltrust", num_clients=4, num_byzantine=1,
+                             aggregator_kwargs={"trusted": [3], **kwargs}, root_examples=8)
 
 
 def test_rows_against_the_reference_get_no_weight_and_the_output_is_g0_when_none_agrees():
@@ -73,11 +111,17 @@ def test_the_output_stays_in_g0s_ball_and_half_space_whatever_the_byzantine_rows
     scale = [1e-300, 1.0, 1e150, 1e300][seed % 4]
     byzantine = scale * torch.randn(4, nu, generator=g, dtype=torch.float64)
     vectors = torch.cat([honest, byzantine])
-    out = FLTrust(trusted=[0])(vectors, ctx(9, f=4)).value
     g0 = honest[0]
-    assert torch.isfinite(out).all()
-    assert float(out.norm()) <= float(g0.norm()) * (1 + 1e-12)
-    assert float(out @ g0) >= -1e-12 * float(g0.norm()) ** 2
+    for options in ({}, {"weights": "sign"}):
+        out = FLTrust(trusted=[0], **options)(vectors, ctx(9, f=4)).value
+        assert torch.isfinite(out).all()
+        assert float(out.norm()) <= float(g0.norm()) * (1 + 1e-12)
+        assert float(out @ g0) >= -1e-12 * float(g0.norm()) ** 2
+    for weights in ("cosine", "sign"):  # the median norm's ball: 4 Byzantine rows of 9 leave it an honest norm
+        out = FLTrust(trusted=[0], scale="median", weights=weights)(vectors, ctx(9, f=4)).value
+        assert torch.isfinite(out).all()
+        assert float(out.norm()) <= float(honest.norm(dim=1).max()) * (1 + 1e-12)
+        assert float(out @ g0) >= -1e-12 * float(out.norm()) * float(g0.norm())
 
 
 def test_unit_rows_do_not_overflow_and_leave_zero_rows_zero():
@@ -192,6 +236,16 @@ def test_a_run_resumes_and_replays_bitwise_and_the_ledger_records_the_root_set(t
     other = make_trainer(_model(), VectorDataset(128), tmp_path / "d", **{**SETTINGS, "root_examples": 12})
     with pytest.raises(LedgerError, match="protocol.root_examples: the ledger has int 24, this run int 12"):
         other.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+    # the scale and weights are recorded where they are not the paper's (a ledger written before them, which
+    # records {"trusted": [5]}, still resumes: the same protocol as above), and a resume that changes them is refused
+    options = {"trusted": [5], "scale": "median", "weights": "sign"}
+    make_trainer(_model(), VectorDataset(128), tmp_path / "e", **{**SETTINGS, "aggregator_kwargs": options},
+                 save_strategy="steps", save_steps=4).train()
+    assert Ledger.read(str(tmp_path / "e" / LEDGER_NAME))["protocol"]["aggregator"][-1][1] == options
+    changed = make_trainer(_model(), VectorDataset(128), tmp_path / "f",
+                           **{**SETTINGS, "aggregator_kwargs": {**options, "weights": "cosine"}})
+    with pytest.raises(LedgerError, match="protocol.aggregator"):
+        changed.train(resume_from_checkpoint=str(tmp_path / "e" / "checkpoint-4"))
 
 
 def test_history_around_fltrust_never_leaves_the_trusted_row_out_and_names_its_clients():

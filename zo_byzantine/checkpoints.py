@@ -17,6 +17,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from .context import recorded_settings
 from .ledger import (
     LEDGER_NAME,
     Ledger,
@@ -82,9 +83,8 @@ def _setting(value):
 
 
 def _parameters(obj) -> dict:
-    """The public settings of a rule, pre-aggregation step or attack (its scalar attributes)."""
-    found = {name: _setting(value) for name, value in sorted(getattr(obj, "__dict__", {}).items())
-             if not name.startswith("_")}
+    """The recorded settings of a rule, pre-aggregation step or attack (``context.recorded_settings``), as JSON."""
+    found = {name: _setting(value) for name, value in recorded_settings(obj).items()}
     return {name: value for name, value in found.items() if value is not ...}
 
 

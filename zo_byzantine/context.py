@@ -95,3 +95,12 @@ class AttackOutput(NamedTuple):
 
     vectors: torch.Tensor
     diagnostics: dict
+
+
+def recorded_settings(obj) -> dict:
+    """The settings of a rule, step or attack that the ledger's protocol records: its public attributes, less those
+    at the value its class's ``unrecorded_defaults`` names (settings added after ledgers recorded the object without
+    them: left out at that value, such a ledger still resumes)."""
+    omitted = getattr(type(obj), "unrecorded_defaults", {})
+    return {name: value for name, value in sorted(getattr(obj, "__dict__", {}).items())
+            if not name.startswith("_") and not (name in omitted and value == omitted[name])}

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .aggregators import Rule, _row_norms, build_aggregator, coordinate_median, register_aggregator
-from .context import Aggregation, RoundContext, SizingError, StateUpdate
+from .context import Aggregation, RoundContext, SizingError, StateUpdate, recorded_settings
 from .ordering import sort_values
 from .validation import check_real
 
@@ -33,8 +33,8 @@ def describe(chain) -> str:
     """``"nnm+cclip(iters=3,tau=1.0)"``: each step and the rule with its scalar settings."""
     parts = []
     for part in [*chain.steps, chain.rule]:
-        settings = {k: v for k, v in sorted(vars(part).items())
-                    if not k.startswith("_") and k != "name" and (v is None or isinstance(v, bool | int | float | str))}
+        settings = {k: v for k, v in recorded_settings(part).items()
+                    if k != "name" and (v is None or isinstance(v, bool | int | float | str))}
         parts.append(part.name + ("(" + ",".join(f"{k}={v}" for k, v in settings.items()) + ")" if settings else ""))
     return "+".join(parts)
 

@@ -38,6 +38,7 @@ from _common import load_example, run_jobs  # noqa: E402
 from real_model import DEV_SIZE, PER_CLASS, load, zo_arguments  # noqa: E402
 
 from zo_byzantine import ZOByzantineTrainer  # noqa: E402
+from zo_byzantine.aggregators import build_aggregator  # noqa: E402
 from zo_byzantine.features import FeatureHead, Features, collate_features  # noqa: E402
 from zo_byzantine.metrics import compute_metrics_fn  # noqa: E402
 from zo_byzantine.tasks import load_task  # noqa: E402
@@ -57,17 +58,21 @@ def parse_config(config: str) -> tuple[str, list[str], dict]:
     """``"cwtm+nnm"`` -> rule ``cwtm`` after the pre-aggregation ``["nnm"]``; ``"krum"`` -> ``krum``, none;
     ``"history"`` / ``"history:cwtm+nnm"``: the agreement history (``zo_byzantine/history.py``) around that
     pipeline (cwtm by default); ``"fltrust"`` (``zo_byzantine/trusted.py``; its trusted client is set by
-    ``run_one``). Returns the rule, the pre-aggregation and the rule's parameters."""
+    ``run_one``), ``"fltrust@median,sign"`` with its ``scale`` and ``weights`` (checked here). Returns the rule, the
+    pre-aggregation and the rule's parameters."""
     head, _, inner = config.partition(":")
-    if config == "fltrust":
-        return "fltrust", [], {}
+    if config == "fltrust" or config.startswith("fltrust@"):  # "fltrust@median,sign": its scale and weights
+        options = config.partition("@")[2]
+        kwargs = dict(zip(("scale", "weights"), options.split(","), strict=False)) if options else {}
+        build_aggregator("fltrust", trusted=[0], **kwargs)  # a bad scale or weights fails before any run
+        return "fltrust", [], kwargs
     if head == "history":
         rule, pre, kwargs = parse_config(inner or "cwtm")
         return "history", [], {"base": rule, "base_pre_aggregators": pre, "base_kwargs": kwargs}
     rule, _, pre = config.partition("+")
     if rule not in RULES or pre not in ("", "nnm"):
         raise ValueError(f"--configs entry {config!r}; accepted: a rule of {', '.join(RULES)}, optionally '+nnm', "
-                         "history[:that], or fltrust.")
+                         "history[:that], or fltrust[@scale,weights].")
     return rule, [pre] if pre else [], {}
 
 
@@ -111,9 +116,9 @@ def run_one(task: str, seed: int, config: str, attack: str, path: str, args) -> 
     overrides = {"pre_aggregators": pre, "aggregator_kwargs": kwargs, "attack_kwargs": {}}
     trusted = {"trusted": [CLIENTS.get(task, 12) - 1]}  # the last client is the server's, holding a root set
     if rule == "fltrust":
-        overrides["aggregator_kwargs"] = trusted
+        overrides["aggregator_kwargs"] = {**kwargs, **trusted}
     elif kwargs.get("base") == "fltrust":
-        overrides["aggregator_kwargs"] = {**kwargs, "base_kwargs": trusted}
+        overrides["aggregator_kwargs"] = {**kwargs, "base_kwargs": {**kwargs["base_kwargs"], **trusted}}
     if trusted_clients(rule, overrides["aggregator_kwargs"]):
         overrides["root_examples"] = args.root_examples
     if attack in ("alie", "foe"):
