@@ -404,17 +404,22 @@ def test_every_rejection_and_missed_deadline_is_recorded_with_node_client_and_ro
 
 def test_fltrust_runs_with_its_trusted_node_bound_by_client_keys_as_the_trainer_does(tmp_path):
     """The trusted client 3 holds the 20-example root set on its node and on the server (the report's size is checked
-    against the server's partition), a sign-flipping node 0, and the ledger is the trainer's."""
+    against the server's partition), a Byzantine node 0, and the ledger is the trainer's: the paper's rule with a
+    sign-flipping node, and the median scale and sign weights with a node sending seeded Gaussian rows (the same rows
+    as the simulation's; a node's sign flip is ``-own``, the simulation's ``-hbar``, of another norm, which the median
+    scale sees)."""
     path, pem = _keys(tmp_path, {100: 0, 101: 1, 102: 2, 103: 3})
-    config = run_config(rounds=3, num_clients=4, clients_per_round=4, aggregator="fltrust",
-                        aggregator_kwargs='{"trusted": [3]}', root_examples=20,
-                        **{"min-nodes": 4, "task-examples": 90, "client-keys": path})
-    grid = LoopbackGrid(config, nodes(4, **{"0": {"attack": "sf"}}), keys=pem)
-    coord = coordinator(config, grid)
-    coord.run(grid)
-    assert coord.sizes[3] == 20 and all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
-    reference, _ = trainer_ledger(config, tmp_path / "simulation", attack="sf")
-    assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
+    for kwargs, attack in (('{"trusted": [3]}', "sf"),
+                           ('{"trusted": [3], "scale": "median", "weights": "sign"}', "gaussian")):
+        config = run_config(rounds=3, num_clients=4, clients_per_round=4, aggregator="fltrust",
+                            aggregator_kwargs=kwargs, root_examples=20,
+                            **{"min-nodes": 4, "task-examples": 90, "client-keys": path})
+        grid = LoopbackGrid(config, nodes(4, **{"0": {"attack": attack}}), keys=pem)
+        coord = coordinator(config, grid)
+        coord.run(grid)
+        assert coord.sizes[3] == 20 and all(r["rejected"] == 0 and not r["problems"] for r in coord.rounds_log)
+        reference, _ = trainer_ledger(config, tmp_path / f"simulation-{attack}", attack=attack)
+        assert_same_rounds(coord.ledger.rounds, reference.rounds, mu=1e-3)
 
 
 def test_fltrust_without_client_keys_is_refused_naming_both():
@@ -422,3 +427,5 @@ def test_fltrust_without_client_keys_is_refused_naming_both():
 
     with pytest.raises(ValueError, match="'aggregator'='fltrust' trusts clients \\[2\\], but 'client-keys' is empty"):
         read_run_config(run_config(aggregator="fltrust", aggregator_kwargs='{"trusted": [2]}'))
+    with pytest.raises(ValueError, match="fltrust: weights='relu' is not supported; accepted: cosine, sign"):
+        read_run_config(run_config(aggregator="fltrust", aggregator_kwargs='{"trusted": [2], "weights": "relu"}'))
