@@ -74,8 +74,61 @@ def test_the_median_scale_is_set_by_the_honest_norms_and_sign_weights_count_rows
     out = rule(vectors, ctx(5, f=0)).value  # median norm 2 (of 1, 1.005, 2, 3.16, 3.16); kept: cos 0.995, 0.32, 0.32
     units = unit_rows(vectors[1:4])
     torch.testing.assert_close(out, 2.0 * units.mean(dim=0))
-    alone = rule(torch.tensor([[2.0, 0.0], [-1.0, 0.0], [-3.0, 0.0]]), ctx(3, f=0)).value
-    torch.testing.assert_close(alone, torch.tensor([2.0, 0.0]))  # median norm 2: g0 rescaled to 2
+    alone = rule(torch.tensor([[2.0, 0.0], [-1.0, 0.0], [-5.0, 0.0], [-4.0, 0.0], [-3.0, 0.0]]), ctx(5, f=0)).value
+    torch.testing.assert_close(alone, torch.tensor([3.0, 0.0]))  # no row agrees: g0 rescaled to the median norm 3
+
+
+def test_the_median_scale_needs_fewer_than_half_byzantine_rows():
+    """Half of a round's rows could set the median norm (a deployment's round with fewer reports): refused by
+    ``check`` (the server skips such a round), as the paper's scale is not."""
+    from zo_byzantine.context import SizingError
+
+    with pytest.raises(SizingError, match="scale='median' takes the median row norm.*needs 2f < m .m=4 vectors, f=2"):
+        FLTrust(trusted=[0], scale="median").check(4, 2)
+    FLTrust(trusted=[0], scale="median").check(5, 2)
+    FLTrust(trusted=[0]).check(4, 2)
+
+
+def test_merge_cosine_gives_near_identical_rows_one_weight():
+    """Rows at cosine >= merge_cosine to each other share one weight: three identical rows count as one; distinct
+    rows keep theirs; against a slow per-row count."""
+    g0 = torch.tensor([1.0, 0.0, 0.0])
+    honest = torch.tensor([[1.0, 1.0, 0.0], [1.0, -1.0, 0.5], [2.0, 0.0, -1.0]])
+    copies = torch.tensor([[1.0, 0.2, 1.0]]).expand(3, -1)
+    vectors = torch.cat([g0[None], honest, copies])
+    rule = FLTrust(trusted=[0], weights="sign", merge_cosine=0.99)
+    units = unit_rows(torch.cat([honest, copies]))
+    expected = (units[:3].sum(dim=0) + units[3]) / 4  # three honest rows and the copies' one weight
+    torch.testing.assert_close(rule(vectors, ctx(7, f=3)).value, expected)
+    unmerged = FLTrust(trusted=[0], weights="sign")(vectors, ctx(7, f=3)).value
+    torch.testing.assert_close(unmerged, units.mean(dim=0))
+    with pytest.raises(ValueError, match="fltrust: merge_cosine"):
+        FLTrust(trusted=[0], merge_cosine=0.0)
+
+
+def test_the_adaptive_attacker_spreads_its_rows_just_below_the_merge_cosine():
+    """Against a rule that merges rows, the adaptive attacker sends distinct rows: pairwise cosines just below the
+    merge, each one the strike plus a part orthogonal to it; the same rows for the same round (seeded)."""
+    from zo_byzantine.attacks import Adaptive
+
+    g = torch.Generator().manual_seed(3)
+    nu, h, k = 16, 9, 4
+    honest = torch.randn(h, nu, generator=g, dtype=torch.float64) * 0.5 + 1.0
+    own = torch.randn(k, nu, generator=g, dtype=torch.float64)
+    mask = torch.tensor([True] * k + [False] * h)
+    ctx = RoundContext((0, 5, 1), h + k, k, mask, tuple(range(h + k)))
+    rule = build_aggregator("fltrust", trusted=[h + k - 1], scale="median", weights="sign", merge_cosine=0.9)
+    sent = Adaptive()(honest, own, rule, ctx).vectors
+    units = unit_rows(sent)
+    pairwise = (units @ units.T)[~torch.eye(k, dtype=torch.bool)]
+    assert bool((pairwise < 0.9).all()) and bool((pairwise > 0.89).all())
+    strike = sent.mean(dim=0)  # the orthogonal parts cancel in no particular way; each row's part along it is common
+    residuals = sent - strike
+    assert float(residuals.norm()) > 0
+    torch.testing.assert_close(Adaptive()(honest, own, rule, ctx).vectors, sent)
+    plain = build_aggregator("fltrust", trusted=[h + k - 1], scale="median", weights="sign")
+    identical = Adaptive()(honest, own, plain, ctx).vectors
+    assert torch.equal(identical, identical[:1].expand(k, -1))
 
 
 @pytest.mark.parametrize("kwargs,match", [({"scale": "max"}, "fltrust: scale='max' is not supported; accepted: "
@@ -261,6 +314,10 @@ def test_history_around_fltrust_never_leaves_the_trusted_row_out_and_names_its_c
     assert out.update.state[0][0] < min(out.update.state[c][0] for c in range(1, 7))
     assert out.diagnostics["excluded"] >= 1  # others were left out, the trusted row was not (fltrust found it)
     assert trusted_clients("history", {"base": "fltrust", "base_kwargs": {"trusted": [4, 2]}}) == (2, 4)
+    # the ledger's record of the inner pipeline: the paper's settings unnamed (as before the options), others named
+    assert rule.pipeline == "fltrust"
+    options = {"trusted": [0], "scale": "median", "weights": "sign"}
+    assert History(base="fltrust", base_kwargs=options).pipeline == "fltrust(scale=median,weights=sign)"
     assert trusted_clients("history", {"base": "cwtm"}) == () == trusted_clients("cwtm", {"trusted": [1]})
 
 

@@ -20,7 +20,7 @@ from . import seeds
 from .context import AttackOutput, RoundContext
 from .ordering import sort_values
 from .registry import Registry
-from .trusted import reference_clients
+from .trusted import merging_cosine, reference_clients
 from .validation import check_fraction, check_integer, check_real, is_number
 
 ATTACKS = Registry("attack")
@@ -293,7 +293,9 @@ class Adaptive(Attack):
     with a trusted reference (``fltrust``, or ``history`` around it) the cone strike: ``||hbar|| (e u + sqrt(1 - e^2)
     w)``, ``u`` the unit trusted report ``g0 / ||g0||`` and ``w`` the unit part of ``-hbar`` orthogonal to it, ``e``
     from ``cones`` (``omega`` reports ``e``): the row FLTrust still weights, by ``e``, pushing against the honest mean
-    as far as it can (``strike="both"`` adds it where the rule has trusted clients; ``"cone"`` alone).
+    as far as it can (``strike="both"`` adds it where the rule has trusted clients; ``"cone"`` alone). Against a rule
+    that merges near-identical rows (``fltrust``'s ``merge_cosine``) its rows are made distinct (:meth:`spread`), and
+    every choice is evaluated as sent.
 
     ``mode="greedy"`` strikes every round with the most damaging choice that keeps every Byzantine client's score at
     least ``margin`` above the rule's exclusion floor after the round (kept: its strike counts), else mimics;
@@ -320,6 +322,27 @@ class Adaptive(Attack):
             raise ValueError(f"adaptive: cones={cones!r}: a non-empty list of cosines in (0, 1] (the cone strike's).")
         self.cones = [float(e) for e in cones]
         self.margin = check_real("adaptive: margin", margin, 0.0)
+
+    @staticmethod
+    def spread(row: torch.Tensor, k: int, cosine: float | None, ctx) -> torch.Tensor:
+        """``k`` Byzantine rows carrying ``row``: identical, or against a rule that merges rows at cosine ``>= cosine``
+        to each other (``fltrust``'s ``merge_cosine``), ``row + s e_j`` with ``e_j`` orthonormal, orthogonal to
+        ``row`` (seeded by the round) and ``s = ||row|| sqrt(1 / c - 1)``, ``c = cosine (1 - 1e-3)``: pairwise cosines
+        ``c``, just below the merge, each row keeping ``sqrt(c)`` of its norm along ``row`` (where ``nu < k + 1`` the
+        ``e_j`` are orthogonal to ``row`` only, and their pairwise cosines are not bounded)."""
+        if cosine is None or k < 2 or not float(row.norm()) > 0:
+            return row.expand(k, -1).clone()
+        noise = torch.randn(k, len(row), generator=ctx.generator(seeds.SPREAD), dtype=torch.float64)
+        basis = torch.linalg.qr(torch.cat([row.double()[:, None], noise.T], dim=1))[0]
+        if basis.shape[1] >= k + 1:
+            directions = basis[:, 1 : k + 1].T
+        else:
+            unit = basis[:, 0]
+            directions = noise - (noise @ unit)[:, None] * unit
+            directions = directions / directions.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        c = cosine * (1 - 1e-3)
+        size = float(row.double().norm()) * math.sqrt(1 / c - 1)
+        return (row.double() + size * directions).to(row)
 
     def cone_strikes(self, honest: torch.Tensor, clients, trusted) -> torch.Tensor:
         """The cone strikes (``len(cones) x d``) against the trusted report of the honest rows of ``clients`` in
@@ -372,17 +395,26 @@ class Adaptive(Attack):
         history = getattr(rule, "rule", None)
         search = search_context(ctx, len(honest), k)
         trusted = reference_clients(history)
+        merge = merging_cosine(rule)
+
+        def send(row):
+            return self.spread(row, k, merge, ctx).to(own)
+
         if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
             rows, omegas = self.strikes(honest, hbar, search.clients, trusted)
             if not len(rows):
                 return AttackOutput(self.repeat(hbar, own), {"struck": 0, "omega": 0.0})
-            best = int(self.damage(aggregate_candidates(rule, honest, rows, k, ctx), hbar).argmax())
-            return AttackOutput(self.repeat(rows[best], own), {"omega": omegas[best], "struck": 1})
+            if merge is None:
+                outputs = aggregate_candidates(rule, honest, rows, k, ctx)
+            else:  # distinct rows: each candidate evaluated as sent
+                outputs = torch.stack([rule(torch.cat([honest, send(row)]), search).value for row in rows])
+            best = int(self.damage(outputs, hbar).argmax())
+            return AttackOutput(send(rows[best]), {"omega": omegas[best], "struck": 1})
         mine = search.clients[len(honest):]
 
         def outcome(row):
             """The aggregate, and the margin of the Byzantine clients' lowest score above the floor after the round."""
-            out = rule(torch.cat([honest, row.expand(k, -1)]), search)
+            out = rule(torch.cat([honest, send(row)]), search)
             scores = [out.update.state[c][0] for c in search.clients]
             return out.value, min(out.update.state[c][0] for c in mine) - history.floor(scores)
 
@@ -390,7 +422,7 @@ class Adaptive(Attack):
         base = honest[max(range(len(honest)), key=lambda j: (mimics[j], -j))]
         rows, omegas = self.strikes(honest, base, search.clients, trusted)
         if not len(rows):
-            return AttackOutput(self.repeat(base, own), {"struck": 0, "omega": 0.0})
+            return AttackOutput(send(base), {"struck": 0, "omega": 0.0})
         results = [outcome(row) for row in rows]
         damage = self.damage(torch.stack([value for value, _ in results]), hbar)
         allowed = torch.tensor([room >= self.margin for _, room in results])
@@ -400,8 +432,8 @@ class Adaptive(Attack):
         else:
             choice = int(damage.masked_fill(~allowed, -math.inf).argmax()) if bool(allowed.any()) else None
         if choice is None:
-            return AttackOutput(self.repeat(base, own), {"struck": 0, "omega": 0.0})
-        return AttackOutput(self.repeat(rows[choice], own), {"struck": 1, "omega": omegas[choice]})
+            return AttackOutput(send(base), {"struck": 0, "omega": 0.0})
+        return AttackOutput(send(rows[choice]), {"struck": 1, "omega": omegas[choice]})
 
 
 @register_attack("gaussian")

@@ -31,6 +31,7 @@ RANDOM_CHOICE = 0xC014
 GAUSSIAN = 0x6A55
 FANG_TRIM = 0xFA27
 ROOT = 0x2007
+SPREAD = 0x5B2E
 
 
 def rng(*key: int) -> np.random.Generator:

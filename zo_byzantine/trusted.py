@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .aggregators import Rule, _row_norms, coordinate_median, register_aggregator
+from .aggregators import Rule, _row_norms, _sizing, coordinate_median, register_aggregator
 from .context import Aggregation, RoundContext  # noqa: F401  (RoundContext: the doctest)
-from .validation import check_choice
+from .validation import check_choice, check_real
 
 
 def trusted_clients(aggregator: str, aggregator_kwargs: dict) -> tuple[int, ...]:
@@ -37,6 +37,14 @@ def reference_clients(rule) -> tuple[int, ...]:
     """The client ids whose rows a rule takes as its reference: ``fltrust``'s ``trusted``, or those of the ``fltrust``
     inside a ``history`` (its ``protected``); none for other rules. A round without one of them has no reference."""
     return tuple(getattr(rule, "trusted", None) or getattr(rule, "protected", None) or ())
+
+
+def merging_cosine(rule) -> float | None:
+    """The cosine at which a rule (a pipeline, or ``history`` around one) merges near-identical rows: ``fltrust``'s
+    ``merge_cosine``; ``None`` for every other rule."""
+    inner = getattr(rule, "rule", rule)
+    inner = getattr(getattr(inner, "inner", None), "rule", inner)
+    return getattr(inner, "merge_cosine", None)
 
 
 def check_trusted_ids(rule: str, trusted) -> tuple[int, ...]:
@@ -76,18 +84,27 @@ class FLTrust(Rule):
     aggregate. Measured in ``experiments/foe_rules/README.md``: without attack, 4.2 points under CWTM on MNIST with
     the paper's rule, 0.7 with both options.
 
+    A third option, ``merge_cosine=c`` (default ``None``: off), gives the rows at cosine ``>= c`` to each other one
+    weight together (each row's score divided by the number of rows, itself included, at cosine ``>= c`` to it), as
+    FoolsGold (Fung et al. 2020) does for clients that act in concert: FOE and ALIE send ``b`` identical rows, whose
+    one row's push then stands against ``h`` honest ones (measured with ``c = 0.9``: FOE and ALIE within 1.2 points of
+    the no-attack run on MNIST, SST-2 and TREC). It is no defence against an attacker that knows it: rows made
+    distinct by orthogonal noise, pairwise cosines just below ``c``, keep ``sqrt(c)`` of their push each
+    (``attack="adaptive"`` does this; measured, it still takes 9 to 24 points), and honest rows that happen to be
+    that close to each other share a weight too.
+
     Guarantee, whatever the Byzantine rows (the trusted ones honest): the output is a convex combination of vectors of
     norm ``||g0||`` in the half-space ``<x, g0> >= 0``, so ``||out|| <= ||g0||`` and ``<out, g0> >= 0``: the round
     never steps against the trusted report (a Byzantine row sent against ``g0``, as FOE's ``(1 - omega) hbar``,
     omega > 1, is whenever ``hbar`` and ``g0`` agree, has weight 0); the ``b`` Byzantine rows hold at most a share
     ``b / (b + sum_H TS_h)`` of the weight, so ``||out - a_H|| <= 2 ||g0|| b / (b + sum_H TS_h)`` with ``a_H`` the
-    honest rows' own weighted combination. The bound needs no limit on ``b`` (the library's arguments still keep
-    ``b < n / 2``, as for every rule).
+    honest rows' own weighted combination. With the paper's scale the bound needs no limit on ``b`` (the library's
+    arguments still keep ``b < n / 2``, as for every rule).
 
-    With ``scale="median"`` the ball is ``||out|| <= M`` (and ``M <= max_H ||v_h||`` when fewer than half of the rows
-    are Byzantine: the median norm lies in the honest norms' range, whatever the Byzantine rows); with
+    With ``scale="median"`` the ball is ``||out|| <= M``, and ``M <= max_H ||v_h||`` since the rule is sized for
+    ``2f < m`` (a round with fewer reports is skipped: half of the rows could set the median norm); with
     ``weights="sign"`` the Byzantine share is at most ``b / (b + h_+)``, ``h_+`` the honest rows at a positive cosine
-    (the half-space bound is unchanged).
+    (the half-space bound is unchanged); ``merge_cosine`` only lowers weights, so every bound above holds with it.
 
     Not guaranteed: that ``g0`` stands for the honest clients (the root set must be drawn from the task's
     distribution; a small one is a noisy reference, and honest clients whose data disagree with it lose weight: the
@@ -107,13 +124,23 @@ class FLTrust(Rule):
     """
 
     name = "fltrust"
-    unrecorded_defaults = {"scale": "g0", "weights": "cosine"}  # the paper's: ledgers from before the options resume
+    # the paper's: ledgers written before the options existed still resume
+    unrecorded_defaults = {"scale": "g0", "weights": "cosine", "merge_cosine": None}
 
-    def __init__(self, trusted: Sequence[int] = (), scale: str = "g0", weights: str = "cosine"):
+    def __init__(self, trusted: Sequence[int] = (), scale: str = "g0", weights: str = "cosine",
+                 merge_cosine: float | None = None):
         self.trusted = check_trusted_ids("fltrust", trusted)
         check_choice("fltrust: scale", scale, ("g0", "median"))
         check_choice("fltrust: weights", weights, ("cosine", "sign"))
         self.scale, self.weights = scale, weights
+        self.merge_cosine = None if merge_cosine is None else check_real("fltrust: merge_cosine", merge_cosine, 0.0,
+                                                                          1.0, low_open=True)
+
+    def check(self, m, f):
+        super().check(m, f)
+        if self.scale == "median" and 2 * f >= m:
+            raise _sizing(self.name, "scale='median' takes the median row norm, which half of the rows could set; "
+                          "needs 2f < m", m, f)
 
     def aggregate(self, vectors, ctx):
         if ctx.clients is None or len(ctx.clients) != len(vectors):
@@ -131,6 +158,9 @@ class FLTrust(Rule):
         reference = unit_rows(g0[None])[0]
         cosines = units @ reference
         trust = cosines.clamp_min(0.0) if self.weights == "cosine" else (cosines > 0).to(cosines)
+        if self.merge_cosine is not None:  # rows at cosine >= merge_cosine to each other share one weight
+            crowd = ((units @ units.T) >= self.merge_cosine).sum(dim=1).clamp_min(1)
+            trust = trust / crowd.to(trust)
         total = trust.sum()
         diagnostics = {"zero_trust": int((trust == 0).sum())}
         byzantine = ctx.byzantine_rows()

@@ -58,12 +58,20 @@ def parse_config(config: str) -> tuple[str, list[str], dict]:
     """``"cwtm+nnm"`` -> rule ``cwtm`` after the pre-aggregation ``["nnm"]``; ``"krum"`` -> ``krum``, none;
     ``"history"`` / ``"history:cwtm+nnm"``: the agreement history (``zo_byzantine/history.py``) around that
     pipeline (cwtm by default); ``"fltrust"`` (``zo_byzantine/trusted.py``; its trusted client is set by
-    ``run_one``), ``"fltrust@median,sign"`` with its ``scale`` and ``weights`` (checked here). Returns the rule, the
-    pre-aggregation and the rule's parameters."""
+    ``run_one``), ``"fltrust@median,sign,0.9"`` with its ``scale``, ``weights`` and ``merge_cosine`` (checked here).
+    Returns the rule, the pre-aggregation and the rule's parameters."""
     head, _, inner = config.partition(":")
     if config == "fltrust" or config.startswith("fltrust@"):  # "fltrust@median,sign": its scale and weights
         options = config.partition("@")[2]
-        kwargs = dict(zip(("scale", "weights"), options.split(","), strict=False)) if options else {}
+        names, values = ("scale", "weights", "merge_cosine"), options.split(",") if options else []
+        if len(values) > len(names):
+            raise ValueError(f"--configs entry {config!r}: at most {len(names)} options ({', '.join(names)}).")
+        kwargs = dict(zip(names, values, strict=False))
+        if "merge_cosine" in kwargs:
+            try:
+                kwargs["merge_cosine"] = float(kwargs["merge_cosine"])
+            except ValueError:
+                raise ValueError(f"--configs entry {config!r}: merge_cosine must be a number in (0, 1].") from None
         build_aggregator("fltrust", trusted=[0], **kwargs)  # a bad scale or weights fails before any run
         return "fltrust", [], kwargs
     if head == "history":
@@ -72,7 +80,7 @@ def parse_config(config: str) -> tuple[str, list[str], dict]:
     rule, _, pre = config.partition("+")
     if rule not in RULES or pre not in ("", "nnm"):
         raise ValueError(f"--configs entry {config!r}; accepted: a rule of {', '.join(RULES)}, optionally '+nnm', "
-                         "history[:that], or fltrust[@scale,weights].")
+                         "history[:that], or fltrust[@scale,weights,merge_cosine].")
     return rule, [pre] if pre else [], {}
 
 
@@ -125,7 +133,8 @@ def run_one(task: str, seed: int, config: str, attack: str, path: str, args) -> 
         grid = [round(args.omega_step * i, 10) for i in range(int(round(args.omega_max / args.omega_step)) + 1)]
         overrides["attack_kwargs"] = {"omega": "auto", "candidates": grid, "target": "pipeline"}
     elif attack == "adaptive":
-        overrides["attack_kwargs"] = {"mode": args.adaptive_mode, "objective": args.adaptive_objective}
+        overrides["attack_kwargs"] = {"mode": args.adaptive_mode, "objective": args.adaptive_objective,
+                                      "strike": args.adaptive_strike}
     elif attack == "lf":
         overrides["attack_kwargs"] = {"num_classes": 10 if task == "mnist" else load_task(task).num_labels}
     began = time.perf_counter()
@@ -212,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--omega_step", type=float, default=0.1, help="the attacker's grid step")
     parser.add_argument("--adaptive_mode", default="greedy", choices=["greedy", "full"], help="attack 'adaptive'")
     parser.add_argument("--adaptive_objective", default="norm", choices=["norm", "against"], help="attack 'adaptive'")
+    parser.add_argument("--adaptive_strike", default="both", choices=["foe", "alie", "cone", "both"],
+                        help="attack 'adaptive': its strikes (both: FOE- and ALIE-like, and the cone where it applies)")
     parser.add_argument("--root_examples", type=int, default=100, help="fltrust: the trusted client's root set "
                         "(FLTrust's 100)")
     parser.add_argument("--rounds", type=int, default=600)
