@@ -14,7 +14,7 @@ from zo_byzantine.checks import build_federation
 from zo_byzantine.context import RoundContext
 from zo_byzantine.federation import byzantine_mask, partition_dataset, with_root
 from zo_byzantine.ledger import LEDGER_NAME
-from zo_byzantine.trusted import FLTrust, unit_rows
+from zo_byzantine.trusted import FLTrust, merging_cosine, unit_rows
 
 
 def ctx(m, clients=None, byzantine=None, f=1):
@@ -104,6 +104,18 @@ def test_merge_cosine_gives_near_identical_rows_one_weight():
     torch.testing.assert_close(unmerged, units.mean(dim=0))
     with pytest.raises(ValueError, match="fltrust: merge_cosine"):
         FLTrust(trusted=[0], merge_cosine=0.0)
+    # merge_cosine=1.0 merges exact copies, whose cosines round to just below 1 (float32 and float64)
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        for _ in range(20):
+            rows = torch.randn(3, 64, generator=g, dtype=dtype)
+            vectors = torch.cat([rows[:1], rows[1:2], rows[2:3].expand(3, -1)])
+            out = FLTrust(trusted=[0], weights="sign", merge_cosine=1.0)(vectors, ctx(5, f=3)).value
+            units = unit_rows(vectors[1:3])
+            kept = (units @ unit_rows(rows[:1])[0] > 0).to(dtype)
+            if bool(kept.any()):
+                expected = rows[0].norm() * (kept[:, None] * units).sum(dim=0) / kept.sum()  # the copies: one weight
+                torch.testing.assert_close(out, expected)
 
 
 def test_the_adaptive_attacker_spreads_its_rows_just_below_the_merge_cosine():
@@ -121,14 +133,34 @@ def test_the_adaptive_attacker_spreads_its_rows_just_below_the_merge_cosine():
     sent = Adaptive()(honest, own, rule, ctx).vectors
     units = unit_rows(sent)
     pairwise = (units @ units.T)[~torch.eye(k, dtype=torch.bool)]
-    assert bool((pairwise < 0.9).all()) and bool((pairwise > 0.89).all())
-    strike = sent.mean(dim=0)  # the orthogonal parts cancel in no particular way; each row's part along it is common
-    residuals = sent - strike
-    assert float(residuals.norm()) > 0
+    assert bool((pairwise < 0.9 - 9e-5).all()) and bool((pairwise > 0.9 - 1.1e-4).all())  # c = 0.9 - 1e-4
     torch.testing.assert_close(Adaptive()(honest, own, rule, ctx).vectors, sent)
-    plain = build_aggregator("fltrust", trusted=[h + k - 1], scale="median", weights="sign")
-    identical = Adaptive()(honest, own, plain, ctx).vectors
+    # around a history, each choice is evaluated as it is sent: the rows sent are among those the rule was given
+    from zo_byzantine.history import History
+
+    history = History(base="fltrust", base_kwargs={"trusted": [h + k - 1], "scale": "median", "weights": "sign",
+                                                   "merge_cosine": 0.9})
+    assert merging_cosine(history) == 0.9 == merging_cosine(rule) and merging_cosine(plain_rule()) is None
+    seen = []
+
+    class Spy:
+        rule = history
+
+        def __call__(self, vectors, context):
+            seen.append(vectors[h:].clone())
+            return history(vectors, context)
+
+    stateful_ctx = RoundContext((0, 5, 1), h + k, k, mask, tuple(range(h + k)), {})
+    sent = Adaptive()(honest, own, Spy(), stateful_ctx).vectors
+    units = unit_rows(sent)
+    assert bool(((units @ units.T)[~torch.eye(k, dtype=torch.bool)] < 0.9).all())
+    assert any(torch.equal(rows, sent) for rows in seen)
+    identical = Adaptive()(honest, own, plain_rule(), ctx).vectors
     assert torch.equal(identical, identical[:1].expand(k, -1))
+
+
+def plain_rule():
+    return build_aggregator("fltrust", trusted=[12], scale="median", weights="sign")
 
 
 @pytest.mark.parametrize("kwargs,match", [({"scale": "max"}, "fltrust: scale='max' is not supported; accepted: "

@@ -294,8 +294,9 @@ class Adaptive(Attack):
     w)``, ``u`` the unit trusted report ``g0 / ||g0||`` and ``w`` the unit part of ``-hbar`` orthogonal to it, ``e``
     from ``cones`` (``omega`` reports ``e``): the row FLTrust still weights, by ``e``, pushing against the honest mean
     as far as it can (``strike="both"`` adds it where the rule has trusted clients; ``"cone"`` alone). Against a rule
-    that merges near-identical rows (``fltrust``'s ``merge_cosine``) its rows are made distinct (:meth:`spread`), and
-    every choice is evaluated as sent.
+    that merges near-identical rows (``fltrust``'s ``merge_cosine``) its rows are made distinct (:meth:`spread`), the
+    mimicked honest vector included (the spread rows then share a weight with that honest row, two by two, instead of
+    all ``k + 1`` together), and every choice is evaluated as sent.
 
     ``mode="greedy"`` strikes every round with the most damaging choice that keeps every Byzantine client's score at
     least ``margin`` above the rule's exclusion floor after the round (kept: its strike counts), else mimics;
@@ -327,12 +328,13 @@ class Adaptive(Attack):
     def spread(row: torch.Tensor, k: int, cosine: float | None, ctx) -> torch.Tensor:
         """``k`` Byzantine rows carrying ``row``: identical, or against a rule that merges rows at cosine ``>= cosine``
         to each other (``fltrust``'s ``merge_cosine``), ``row + s e_j`` with ``e_j`` orthonormal, orthogonal to
-        ``row`` (seeded by the round) and ``s = ||row|| sqrt(1 / c - 1)``, ``c = cosine (1 - 1e-3)``: pairwise cosines
-        ``c``, just below the merge, each row keeping ``sqrt(c)`` of its norm along ``row`` (where ``nu < k + 1`` the
-        ``e_j`` are orthogonal to ``row`` only, and their pairwise cosines are not bounded)."""
+        ``row`` (seeded by the round) and ``s = ||row|| sqrt(1 / c - 1)``, ``c = cosine - max(1e-3 (1 - cosine),
+        1e-5)``: pairwise cosines ``c``, just below the merge, each row keeping ``sqrt(c)`` of its norm along ``row``
+        (where ``nu < k + 1`` the ``e_j`` are orthogonal to ``row`` only, and their pairwise cosines are not
+        bounded)."""
         if cosine is None or k < 2 or not float(row.norm()) > 0:
             return row.expand(k, -1).clone()
-        noise = torch.randn(k, len(row), generator=ctx.generator(seeds.SPREAD), dtype=torch.float64)
+        noise = torch.randn(k, len(row), generator=ctx.generator(seeds.SPREAD), dtype=torch.float64).to(row.device)
         basis = torch.linalg.qr(torch.cat([row.double()[:, None], noise.T], dim=1))[0]
         if basis.shape[1] >= k + 1:
             directions = basis[:, 1 : k + 1].T
@@ -340,7 +342,7 @@ class Adaptive(Attack):
             unit = basis[:, 0]
             directions = noise - (noise @ unit)[:, None] * unit
             directions = directions / directions.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-        c = cosine * (1 - 1e-3)
+        c = cosine - max(1e-3 * (1 - cosine), 1e-5)
         size = float(row.double().norm()) * math.sqrt(1 / c - 1)
         return (row.double() + size * directions).to(row)
 

@@ -104,7 +104,11 @@ class FLTrust(Rule):
     With ``scale="median"`` the ball is ``||out|| <= M``, and ``M <= max_H ||v_h||`` since the rule is sized for
     ``2f < m`` (a round with fewer reports is skipped: half of the rows could set the median norm); with
     ``weights="sign"`` the Byzantine share is at most ``b / (b + h_+)``, ``h_+`` the honest rows at a positive cosine
-    (the half-space bound is unchanged); ``merge_cosine`` only lowers weights, so every bound above holds with it.
+    (the half-space bound is unchanged). With ``merge_cosine`` the ball and the half-space hold (the output is still a
+    convex combination of the same unit rows), but the share bounds hold with the honest scores divided by their
+    crowds: ``b / (b + sum_H TS_h / crowd_h)``. Honest rows within ``c`` of each other share a weight by themselves,
+    and a Byzantine row within ``c`` of several honest rows (possible where they are pairwise at cosine ``>= 2c^2 - 1``)
+    divides their weights while spending its own, so the share can approach ``b / (b + 1)`` in the worst case.
 
     Not guaranteed: that ``g0`` stands for the honest clients (the root set must be drawn from the task's
     distribution; a small one is a noisy reference, and honest clients whose data disagree with it lose weight: the
@@ -159,7 +163,8 @@ class FLTrust(Rule):
         cosines = units @ reference
         trust = cosines.clamp_min(0.0) if self.weights == "cosine" else (cosines > 0).to(cosines)
         if self.merge_cosine is not None:  # rows at cosine >= merge_cosine to each other share one weight
-            crowd = ((units @ units.T) >= self.merge_cosine).sum(dim=1).clamp_min(1)
+            close = units @ units.T >= self.merge_cosine - 8 * torch.finfo(units.dtype).eps  # a copy's rounded cosine
+            crowd = close.sum(dim=1).clamp_min(1)  # a zero row (trust 0) is in no crowd, its own included
             trust = trust / crowd.to(trust)
         total = trust.sum()
         diagnostics = {"zero_trust": int((trust == 0).sum())}
