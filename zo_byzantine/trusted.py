@@ -90,7 +90,7 @@ class FLTrust(Rule):
     one row's push then stands against ``h`` honest ones (measured with ``c = 0.9``: FOE and ALIE within 1.2 points of
     the no-attack run on MNIST, SST-2 and TREC). It is no defence against an attacker that knows it: rows made
     distinct by orthogonal noise, pairwise cosines just below ``c``, keep ``sqrt(c)`` of their push each
-    (``attack="adaptive"`` does this; measured, it still takes 9 to 24 points), and honest rows that happen to be
+    (``attack="adaptive"`` does this; measured, it still takes 9 to 25 points), and honest rows that happen to be
     that close to each other share a weight too.
 
     Guarantee, whatever the Byzantine rows (the trusted ones honest): the output is a convex combination of vectors of
