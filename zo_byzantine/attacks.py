@@ -402,6 +402,10 @@ class Adaptive(Attack):
         def send(row):
             return self.spread(row, k, merge, ctx).to(own)
 
+        def as_sent(row):
+            """The rule's call on the honest rows and the Byzantine rows as they would be sent."""
+            return rule(torch.cat([honest, send(row)]), search)
+
         if not hasattr(history, "fold") or search.clients is None:  # nothing to keep: the most damaging strike
             rows, omegas = self.strikes(honest, hbar, search.clients, trusted)
             if not len(rows):
@@ -409,14 +413,14 @@ class Adaptive(Attack):
             if merge is None:
                 outputs = aggregate_candidates(rule, honest, rows, k, ctx)
             else:  # distinct rows: each candidate evaluated as sent
-                outputs = torch.stack([rule(torch.cat([honest, send(row)]), search).value for row in rows])
+                outputs = torch.stack([as_sent(row).value for row in rows])
             best = int(self.damage(outputs, hbar).argmax())
             return AttackOutput(send(rows[best]), {"omega": omegas[best], "struck": 1})
         mine = search.clients[len(honest):]
 
         def outcome(row):
             """The aggregate, and the margin of the Byzantine clients' lowest score above the floor after the round."""
-            out = rule(torch.cat([honest, send(row)]), search)
+            out = as_sent(row)
             scores = [out.update.state[c][0] for c in search.clients]
             return out.value, min(out.update.state[c][0] for c in mine) - history.floor(scores)
 

@@ -61,7 +61,7 @@ def parse_config(config: str) -> tuple[str, list[str], dict]:
     ``run_one``), ``"fltrust@median,sign,0.9"`` with its ``scale``, ``weights`` and ``merge_cosine`` (checked here).
     Returns the rule, the pre-aggregation and the rule's parameters."""
     head, _, inner = config.partition(":")
-    if config == "fltrust" or config.startswith("fltrust@"):  # "fltrust@median,sign": its scale and weights
+    if config == "fltrust" or config.startswith("fltrust@"):  # "fltrust@median,sign,0.9": its options
         options = config.partition("@")[2]
         names, values = ("scale", "weights", "merge_cosine"), options.split(",") if options else []
         if len(values) > len(names):
