@@ -182,7 +182,8 @@ def report(args) -> str:
              "sf": "FedByZO, SF (CWTM)", "first_order": "first order (reference)"}
     lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
              "the final one (mean ± std over seeds, n)", "",
-             f"`python experiments/smollm2/table.py --config {args.config} --report`; settings: "
+             f"`python experiments/smollm2/table.py --config {args.config} --tasks {' '.join(args.tasks)} --seeds "
+             f"{' '.join(map(str, args.seeds))} --report`; settings: "
              f"`{' '.join(CONFIGS[args.config]['flags'] + FEDERATION)}`", "",
              "| | " + " | ".join(args.tasks) + " |", "|---" * (len(args.tasks) + 1) + "|"]
     for row, by_task in rows.items():
