@@ -53,6 +53,11 @@ CELLS = {  # row -> the flags that make it
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
 }
+def overridden(flags: list[str], changes: dict[str, str]) -> list[str]:
+    """``flags`` (``--name value`` pairs) with the values of ``changes`` in place of theirs."""
+    return [changes.get(flags[i - 1], flag) if i % 2 else flag for i, flag in enumerate(flags)]
+
+
 CONFIGS = {
     "cpu": {
         "flags": ["--num_train_per_class", "32", "--per_device_train_batch_size", "2", "--num_perturbations", "1",
@@ -75,14 +80,7 @@ CONFIGS = {
 }
 # cpu with MeZO's larger few-shot setting (k = 512: 1,024 examples, ~7 passes in 300 rounds instead of ~112): cpu's
 # k = 32 overfitted its 64 sentences, so this is the CPU configuration of the table
-CONFIGS["cpu_k512"] = {**CONFIGS["cpu"],
-                       "flags": ["--num_train_per_class", "512", *CONFIGS["cpu"]["flags"][2:]]}
-
-
-def overridden(flags: list[str], changes: dict[str, str]) -> list[str]:
-    """``flags`` (``--name value`` pairs) with the values of ``changes`` in place of theirs."""
-    return [changes.get(flags[i - 1], flag) if i % 2 else flag for i, flag in enumerate(flags)]
-
+CONFIGS["cpu_k512"] = {**CONFIGS["cpu"], "flags": overridden(CONFIGS["cpu"]["flags"], {"--num_train_per_class": "512"})}
 
 # cpu_k512 run longer (issue 49: "more rounds is what is left"): 2,000 rounds at lr 2e-5, 13x the table's
 # lr x rounds (lr 5e-5 and 1e-4 over 300 rounds lowered the loss faster but swung the accuracy by 4 points)
@@ -135,12 +133,12 @@ def result(folder: str, rounds: int) -> dict | None:
 
 
 def run(args) -> None:
-    started = time.monotonic()
+    started, rounds = time.monotonic(), setting(args.config, "--max_steps")
     for task in args.tasks:
         for seed in args.seeds:
             for cell in args.cells:
                 folder = os.path.join(args.out, args.config, f"{task}_{cell}_s{seed}")
-                if result(folder, setting(args.config, "--max_steps")) is not None:
+                if result(folder, rounds) is not None:
                     continue
                 if (time.monotonic() - started) / 60 > args.wall_minutes:
                     print(f"wall limit ({args.wall_minutes} min) reached: rerun the same command to go on", flush=True)
@@ -167,12 +165,13 @@ def report(args) -> str:
     """The table in DeComFL's layout (mean ± std over the seeds finished; n = seeds per cell; zero-shot: the start
     evaluation of the seeds that have a finished cell)."""
     rows = {"zero-shot": {}, **{cell: {} for cell in args.cells}}
+    rounds = setting(args.config, "--max_steps")
     finals = {cell: {} for cell in args.cells}
     for task in args.tasks:
         starts = {}  # per seed, the start evaluation of any finished cell (every cell starts from the same weights)
         for cell in args.cells:
-            found = [(s, result(os.path.join(args.out, args.config, f"{task}_{cell}_s{s}"),
-                                  setting(args.config, "--max_steps"))) for s in args.seeds]
+            folders = {s: os.path.join(args.out, args.config, f"{task}_{cell}_s{s}") for s in args.seeds}
+            found = [(s, result(folder, rounds)) for s, folder in folders.items()]
             found = [(s, r) for s, r in found if r is not None]
             rows[cell][task] = [r["best"] for _, r in found]
             finals[cell][task] = [r["final"] for _, r in found]
