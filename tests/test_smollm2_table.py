@@ -1,9 +1,11 @@
-"""experiments/smollm2/table.py: configurations derived by flag overrides, and a cell finished under fewer rounds
-resumed rather than reported."""
+"""experiments/smollm2/table.py: configurations derived by flag overrides, a cell finished under fewer rounds
+resumed rather than reported, extra flags last; room.py's ratio of means."""
 
 import json
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "experiments", "smollm2"))
@@ -46,3 +48,21 @@ def test_a_cell_short_of_the_rounds_is_unfinished_and_resumes(tmp_path):
     assert line[line.index("--max_steps") + 1] == "2000"
     assert line[-2:] == ["--resume_from_checkpoint", "true"]
     assert line[line.index("--save_steps") + 1] == "100"
+
+
+def test_extra_flags_come_last_and_room_is_a_ratio_of_means(tmp_path):
+    import room
+
+    folder = str(tmp_path / "sst2_alie_b8_s0")
+    line = table.command("cpu_long", "sst2", "alie", 0, folder, "smollm2-135m", ("--max_steps", "20"))
+    assert line[-2:] == ["--max_steps", "20"] and line.count("--max_steps") == 2  # argparse keeps the last
+    os.makedirs(folder)
+    logged = [{"step": 1, "aggregate_shift": 3.0, "honest_mean_norm": 1.0},
+              {"step": 2, "aggregate_shift": 1.0, "honest_mean_norm": 3.0}, {"step": 2, "train_loss": 0.4}]
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 2, "log_history": logged}, f)
+    assert room.room(folder) == {"rounds": 2, "shift": 2.0, "signal": 2.0, "ratio": 1.0}  # not the mean ratio, 5/3
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 2, "log_history": logged[2:]}, f)
+    with pytest.raises(RuntimeError, match="aggregate_shift"):
+        room.room(folder)

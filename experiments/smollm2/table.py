@@ -92,8 +92,9 @@ REFERENCE = {  # DeComFL Table 1, OPT-125m, test accuracy: FO-SGD / MeZO / DeCom
 }
 
 
-def command(config: str, task: str, cell: str, seed: int, folder: str, model: str) -> list[str]:
-    """The run_glue_fed command line of one cell."""
+def command(config: str, task: str, cell: str, seed: int, folder: str, model: str,
+            extra: tuple[str, ...] = ()) -> list[str]:
+    """The run_glue_fed command line of one cell (``extra`` flags last: they win)."""
     chosen = CONFIGS[config]
     flags = [*chosen["flags"], *FEDERATION, *CELLS[cell]]
     if cell == "first_order":
@@ -104,7 +105,7 @@ def command(config: str, task: str, cell: str, seed: int, folder: str, model: st
             "--seed", str(seed), "--zo_seed", str(seed), "--eval_strategy", "steps", "--logging_steps", "10",
             "--save_strategy", "steps", "--save_steps", str(setting(config, "--eval_steps")),
             "--save_total_limit", "1", "--no_save_final_model", "--disable_tqdm", "true", "--report_to", "none",
-            "--output_dir", folder, *resume]
+            "--output_dir", folder, *resume, *extra]
 
 
 def setting(config: str, flag: str) -> int:
