@@ -3,7 +3,8 @@
 Rows: zero-shot (the start evaluation of the no-attack run), FedByZO with no attack, under ALIE and under SF
 (n = 12 clients, b = 3 Byzantine, CWTM; the no-attack run keeps the same rule and f = 3 with honest clients), and
 first-order fine-tuning (one client holding all the training examples, back-propagated gradients, plain SGD, no
-attack: the library refuses n = 12 SmolLM2 gradients aggregated in R^d, ~36 GiB) as the reference. Columns: tasks.
+attack: the library refuses n = 12 SmolLM2 gradients aggregated in R^d, ~36 GiB) as the reference; beside them, not
+a row of DeComFL's layout, ALIE against issue 46's rule (FLTrust with a root set) in place of CWTM. Columns: tasks.
 Each cell is the best validation accuracy over training (DeComFL's and the papers' measure), one run per seed, run
 by ``examples/run_glue_fed.py`` in its own process and folder, so a stopped leg resumes at the first unfinished
 cell (and inside a cell from its newest checkpoint).
@@ -49,6 +50,11 @@ CELLS = {  # row -> the flags that make it
     "none": ["--attack", "none"],
     "alie": ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}'],
     "sf": ["--attack", "sf"],
+    # issue 46's rule in place of CWTM: FLTrust scaled to the median, sign weights, identical rows merged; the server
+    # trusts client 11 (honest: clients 0-2 are Byzantine) and gives it a root set of 100 uniform examples
+    "alie_fltrust": ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}', "--aggregator", "fltrust",
+                     "--aggregator_kwargs", '{"trusted": [11], "scale": "median", "weights": "sign", '
+                     '"merge_cosine": 0.9}', "--root_examples", "100"],
     # back-propagated gradients, no attack: one client (R^d aggregation of n = 12 SmolLM2 gradients needs ~36 GiB)
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
@@ -179,7 +185,8 @@ def report(args) -> str:
             starts.update({s: r["start"] for s, r in found})
         rows["zero-shot"][task] = list(starts.values())
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
-             "sf": "FedByZO, SF (CWTM)", "first_order": "first order (reference)"}
+             "sf": "FedByZO, SF (CWTM)", "alie_fltrust": "FedByZO, ALIE (FLTrust, issue 46)",
+             "first_order": "first order (reference)"}
     lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
              "the final one (mean ± std over seeds, n)", "",
              f"`python experiments/smollm2/table.py --config {args.config} --tasks {' '.join(args.tasks)} --seeds "
