@@ -391,3 +391,17 @@ def test_the_adaptive_attacker_uses_the_cone_against_fltrust_and_does_more_damag
     assert damage(with_cone.vectors) > damage(without.vectors)
     sent = unit_rows(with_cone.vectors) @ unit_rows(honest[-1:].clone())[0]
     assert bool((sent > 0).all())  # inside the cone: FLTrust still weights it
+
+
+def test_fltrust_on_one_scalar_a_round_is_warned_about_before_any_work(tmp_path, caplog):
+    import logging
+
+    common = dict(output_dir=str(tmp_path), num_clients=8, num_byzantine=2, report_to=[], aggregator="fltrust",
+                  aggregator_kwargs={"trusted": [7]})
+    for nu, expected in ((1, 1), (4, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zo_byzantine.arguments"):
+            ZOByzantineArguments(**common, num_perturbations=nu)
+        warned = [r.getMessage() for r in caplog.records if "num_perturbations=1" in r.getMessage()]
+        assert len(warned) == expected, (nu, warned)
+        assert all("trusts clients [7]" in w and "sign" in w for w in warned)

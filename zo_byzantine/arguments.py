@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import MISSING, dataclass, field
 from typing import Literal, get_args
@@ -21,6 +22,8 @@ from .optim import SERVER_OPTIMIZERS
 from .server import Settings
 from .trusted import trusted_clients
 from .validation import check_choice, check_integer, check_real
+
+logger = logging.getLogger(__name__)
 
 Estimator = Literal["two_point", "one_point", "gradient_projection", "first_order"]
 Partition = Literal["iid", "dirichlet", "shards"]
@@ -305,6 +308,13 @@ class ZOByzantineArguments(TrainingArguments):
         if self.clients_per_round not in (None, self.num_clients):
             raise ValueError(f"clients_per_round={self.clients_per_round} with trusted clients ({self.aggregator!r}): "
                              "a round drawn without one has no reference; accepted: clients_per_round=None (all).")
+        if self.num_perturbations == 1 and self.aggregation_space == "projection" and self.estimator != "first_order":
+            logger.warning(
+                "aggregator=%r trusts clients %s with num_perturbations=1: every report is one scalar, so FLTrust's "
+                "output is the trusted clients' sign (at the median size where scale='median'): the other clients "
+                "vote on nothing else. On SmolLM2 (SST-2, 2 examples a client and round) that fell below zero-shot "
+                "without attack (experiments/smollm2/README.md). Use num_perturbations > 1, or a rule that averages "
+                "the clients (e.g. cwtm).", self.aggregator, list(trusted))
 
     def byzantine_bound(self) -> int:
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""

@@ -119,6 +119,10 @@ class FLTrust(Rule):
     17 to 37 points on MNIST, SST-2 and TREC (``experiments/foe_rules/README.md``), 10 to 22 with both options (a row
     at a small cosine then earns no more weight than any agreeing row). Stateless: over ``W`` rounds the
     deviations add, at most ``W`` times the per-round one.
+    With one direction a round (``nu = 1``) every row is a scalar and every agreeing row the same unit, so the output
+    is ``sign(g0)`` at the chosen size: the untrusted clients decide nothing but (with ``scale="median"``) the size.
+    On SmolLM2 (SST-2, 2 examples a client and round) that fell below zero-shot with or without attack
+    (``experiments/smollm2/README.md``); the arguments warn.
     Diagnostics: ``zero_trust`` (untrusted rows of score 0), in simulation ``byzantine_zero_trust`` and
     ``honest_zero_trust``, and ``byzantine_weight`` (the Byzantine rows' share of the weight).
 

@@ -187,10 +187,11 @@ def report(args) -> str:
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
              "sf": "FedByZO, SF (CWTM)", "alie_fltrust": "FedByZO, ALIE (FLTrust, issue 46)",
              "first_order": "first order (reference)"}
+    cells = "" if list(args.cells) == list(CELLS) else f" --cells {' '.join(args.cells)}"
     lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
              "the final one (mean ± std over seeds, n)", "",
              f"`python experiments/smollm2/table.py --config {args.config} --tasks {' '.join(args.tasks)} --seeds "
-             f"{' '.join(map(str, args.seeds))} --report`; settings: "
+             f"{' '.join(map(str, args.seeds))}{cells} --report`; settings: "
              f"`{' '.join(CONFIGS[args.config]['flags'] + FEDERATION)}`", "",
              "| | " + " | ".join(args.tasks) + " |", "|---" * (len(args.tasks) + 1) + "|"]
     for row, by_task in rows.items():
