@@ -46,19 +46,22 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 EXAMPLE = os.path.join(ROOT, "examples", "run_glue_fed.py")
 
 FEDERATION = ["--num_clients", "12", "--num_byzantine", "3", "--aggregator", "cwtm"]
+ALIE = ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}']
 CELLS = {  # row -> the flags that make it
     "none": ["--attack", "none"],
-    "alie": ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}'],
+    "alie": ALIE,
     "sf": ["--attack", "sf"],
     # issue 46's rule in place of CWTM: FLTrust scaled to the median, sign weights, identical rows merged; the server
     # trusts client 11 (honest: clients 0-2 are Byzantine) and gives it a root set of 100 uniform examples
-    "alie_fltrust": ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}', "--aggregator", "fltrust",
+    "alie_fltrust": [*ALIE, "--aggregator", "fltrust",
                      "--aggregator_kwargs", '{"trusted": [11], "scale": "median", "weights": "sign", '
                      '"merge_cosine": 0.9}', "--root_examples", "100"],
     # back-propagated gradients, no attack: one client (R^d aggregation of n = 12 SmolLM2 gradients needs ~36 GiB)
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
 }
+
+
 def overridden(flags: list[str], changes: dict[str, str]) -> list[str]:
     """``flags`` (``--name value`` pairs) with the values of ``changes`` in place of theirs."""
     return [changes.get(flags[i - 1], flag) if i % 2 else flag for i, flag in enumerate(flags)]
