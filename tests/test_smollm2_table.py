@@ -1,11 +1,13 @@
 """experiments/smollm2/table.py: configurations derived by flag overrides, a cell finished under fewer rounds
-resumed rather than reported, extra flags last; room.py's ratio of means."""
+resumed rather than reported, extra flags last; room.py's ratio of means; reports.py's recording rule and its
+replay of the rules against hand-computed trimmed means."""
 
 import json
 import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "experiments", "smollm2"))
@@ -66,3 +68,53 @@ def test_extra_flags_come_last_and_room_is_a_ratio_of_means(tmp_path):
         json.dump({"global_step": 2, "log_history": logged[2:]}, f)
     with pytest.raises(RuntimeError, match="aggregate_shift"):
         room.room(folder)
+
+
+def _rounds(values):
+    """Recorded rounds of 12 one-direction reports, clients 0-2 marked Byzantine (as the runs record them)."""
+    return [{"round": t, "clients": list(range(12)), "byzantine": [True] * 3 + [False] * 9,
+             "vectors": [[v] for v in row]} for t, row in enumerate(values)]
+
+
+def test_recorded_cwtm_keeps_the_rows_and_aggregates_as_cwtm(tmp_path):
+    import reports
+
+    from zo_byzantine.aggregators import CWTM
+    from zo_byzantine.context import RoundContext
+
+    path = str(tmp_path / "reports.jsonl")
+    vectors = torch.tensor([[5.0], [-1.0], [2.0], [0.5], [9.0]])
+    ctx = RoundContext((0, 7, 1), 5, 1, torch.tensor([True, False, False, False, False]), (0, 1, 2, 3, 4))
+    assert torch.equal(reports.RecordedCWTM(path)(vectors, ctx).value, CWTM()(vectors, ctx).value)
+    assert reports.load(path) == [{"round": 7, "clients": [0, 1, 2, 3, 4], "byzantine": [True] + [False] * 4,
+                                   "vectors": [[5.0], [-1.0], [2.0], [0.5], [9.0]]}]
+
+
+def test_replay_matches_hand_computed_trimmed_means_and_carries_the_history():
+    import reports
+
+    from zo_byzantine.attacks import build_attack
+
+    values = [[float(v) for v in row] for row in torch.randn(6, 12, generator=torch.Generator().manual_seed(0))]
+    rounds = _rounds(values)
+
+    def by_hand(row, byzantine):  # CWTM on 12 values with f = 3: the mean of the 6 middle ones
+        row = sorted(byzantine + row[3:])
+        return sum(row[3:9]) / 6
+
+    hbars = [sum(row[3:]) / 9 for row in values]
+    pairs = list(zip(values, hbars, strict=True))
+    calm = reports.replay(rounds, "cwtm", (), {}, None)
+    assert calm["rounds"] == 6
+    assert calm["shift"] == pytest.approx(sum(abs(by_hand(row, row[:3]) - h) for row, h in pairs) / 6)
+    assert calm["signal"] == pytest.approx(sum(abs(h) for h in hbars) / 6)
+    silent = reports.replay(rounds, "cwtm", (), {}, build_attack("alie", omega=0.0))  # every attacker sends hbar
+    assert silent["shift"] == pytest.approx(sum(abs(by_hand(row, [h] * 3) - h) for row, h in pairs) / 6)
+    # an attacker far out every round: the history rule leaves it out once its score has fallen over rounds, which
+    # a rule that forgot its state between rounds never would (one round's score is at most 0.05 x 8 below 0)
+    far = [[100.0] * 3 + row[3:] for row in values * 3]
+    history = reports.replay(_rounds(far), "history", (), {"base": "cwtm"}, None)
+    assert history["byzantine_excluded"] > 0 and history["honest_excluded"] == 0
+    assert history["agreement"][0] < history["agreement"][1]  # the attackers' mean agreement, then the honest
+    assert max(history["scores"][0]) < min(history["scores"][1]) and len(history["scores"][1]) == 9
+    assert "agreement" not in calm  # a stateless rule has none

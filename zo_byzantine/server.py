@@ -89,6 +89,39 @@ def unflatten(table: ParameterTable, flat: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def robust_aggregate(vectors: torch.Tensor, ctx: RoundContext, rule: Chain, attack: Attack | None = None):
+    """One uplink's robust aggregate: ``V -> [simulation: Byzantine rows <- attack(honest, own, rule, ctx)] ->
+    sanitise -> R = rule(V, ctx)``. Returns ``(R, V as sent and sanitised, diagnostics, non-finite values,
+    the rule's state update or None)``; in simulation the diagnostics add ``aggregate_shift`` ``||R - hbar||`` and
+    ``honest_mean_norm`` ``||hbar||``. Raises :class:`SkipRound` where the round cannot be applied."""
+    diagnostics = {}
+    honest = vectors if ctx.byzantine is None else vectors[~ctx.byzantine]
+    if ctx.byzantine is not None:
+        if not len(honest):
+            raise SkipRound("no honest report (every sampled client is Byzantine)")
+        if not torch.isfinite(honest).all():
+            raise SkipRound("non-finite honest estimate")
+        diagnostics["byzantine_over_bound"] = int(int(ctx.byzantine.sum()) > ctx.num_byzantine)
+        if attack is not None and ctx.byzantine.any():
+            own = vectors[ctx.byzantine]
+            sent, found = attack(honest, own, rule, ctx)
+            if tuple(sent.shape) != tuple(own.shape):
+                raise ValueError(f"The attack returned {tuple(sent.shape)} for {tuple(own.shape)} vectors.")
+            vectors = vectors.clone()
+            vectors[ctx.byzantine] = sent.to(vectors)
+            diagnostics.update(found)
+    vectors, nonfinite = sanitize(vectors)
+    value, found, update = rule(vectors, ctx)
+    if not torch.isfinite(value).all():
+        raise SkipRound("non-finite aggregate")
+    diagnostics.update(found)
+    if ctx.byzantine is not None:
+        hbar = honest.mean(dim=0)
+        diagnostics["aggregate_shift"] = float((value - hbar).norm())  # ||R - hbar||
+        diagnostics["honest_mean_norm"] = float(hbar.norm())
+    return value, vectors, diagnostics, nonfinite, update
+
+
 class Server:
     """The server role.
 
@@ -260,7 +293,7 @@ class Server:
             vectors = stacked[:, u]
             if dense_space and not plan.first_order:  # FedZO: the rule runs on the reconstructed R^d estimates
                 vectors = reconstruct(self.table, plan.seeds(step, reports[0].client), vectors)
-            value, sent, diagnostics, nonfinite, update = self._robust(vectors, ctx)
+            value, sent, diagnostics, nonfinite, update = robust_aggregate(vectors, ctx, self.rule, self.attack)
             if update is not None:  # a stateful rule: its state goes on to the next uplink, its record to the ledger
                 state = update.state
                 downlink.history = [*(downlink.history or []), update.record]
@@ -282,36 +315,6 @@ class Server:
         if dense is not None:
             downlink.dense = unflatten(self.table, dense)
         return state
-
-    def _robust(self, vectors: torch.Tensor, ctx: RoundContext):
-        """Attack (simulation), sanitising, rule. Returns the aggregate, the vectors as sent (sanitised),
-        the diagnostics and the number of non-finite values."""
-        diagnostics = {}
-        honest = vectors if ctx.byzantine is None else vectors[~ctx.byzantine]
-        if ctx.byzantine is not None:
-            if not len(honest):
-                raise SkipRound("no honest report (every sampled client is Byzantine)")
-            if not torch.isfinite(honest).all():
-                raise SkipRound("non-finite honest estimate")
-            diagnostics["byzantine_over_bound"] = int(int(ctx.byzantine.sum()) > ctx.num_byzantine)
-            if self.attack is not None and ctx.byzantine.any():
-                own = vectors[ctx.byzantine]
-                sent, found = self.attack(honest, own, self.rule, ctx)
-                if tuple(sent.shape) != tuple(own.shape):
-                    raise ValueError(f"The attack returned {tuple(sent.shape)} for {tuple(own.shape)} vectors.")
-                vectors = vectors.clone()
-                vectors[ctx.byzantine] = sent.to(vectors)
-                diagnostics.update(found)
-        vectors, nonfinite = sanitize(vectors)
-        value, found, update = self.rule(vectors, ctx)
-        if not torch.isfinite(value).all():
-            raise SkipRound("non-finite aggregate")
-        diagnostics.update(found)
-        if ctx.byzantine is not None:
-            hbar = honest.mean(dim=0)
-            diagnostics["aggregate_shift"] = float((value - hbar).norm())  # ||R - hbar||
-            diagnostics["honest_mean_norm"] = float(hbar.norm())
-        return value, vectors, diagnostics, nonfinite, update
 
     def _check_overflow(self, downlink: Downlink) -> None:
         """Guard (``optim.update_fits``): the update and each of its terms stay far inside the weights' dtype.
