@@ -251,3 +251,20 @@ def test_the_flower_coordinator_keeps_and_records_the_state_with_no_change():
     rounds = coord.ledger.rounds
     assert all(len(r["history"][0]) == len(r["participants"]) == 4 for r in rounds)
     assert coord.server.history == coord.server.restore_history(rounds) and len(coord.server.history) == 5
+
+
+def test_history_on_one_scalar_a_report_is_warned_about_before_any_work(tmp_path, caplog):
+    import logging
+
+    from zo_byzantine import ZOByzantineArguments
+
+    common = dict(output_dir=str(tmp_path), num_clients=8, num_byzantine=2, report_to=[])
+    cases = [("history", 1, "projection", 1), ("history", 4, "projection", 0), ("history", 1, "parameter", 0),
+             ("cwtm", 1, "projection", 0)]
+    for aggregator, nu, space, expected in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zo_byzantine.arguments"):
+            ZOByzantineArguments(**common, aggregator=aggregator, num_perturbations=nu, aggregation_space=space)
+        warned = [r.getMessage() for r in caplog.records if "aggregator='history'" in r.getMessage()]
+        assert len(warned) == expected, (aggregator, nu, space, warned)
+        assert all("one scalar" in w and "num_perturbations > 1" in w for w in warned)

@@ -308,13 +308,27 @@ class ZOByzantineArguments(TrainingArguments):
         if self.clients_per_round not in (None, self.num_clients):
             raise ValueError(f"clients_per_round={self.clients_per_round} with trusted clients ({self.aggregator!r}): "
                              "a round drawn without one has no reference; accepted: clients_per_round=None (all).")
-        if self.num_perturbations == 1 and self.aggregation_space == "projection" and self.estimator != "first_order":
+        if self.scalar_reports():
             logger.warning(
                 "aggregator=%r trusts clients %s with num_perturbations=1: every report is one scalar, so FLTrust's "
                 "output is the trusted clients' sign (at the median size where scale='median'): the other clients "
                 "vote on nothing else. On SmolLM2 (SST-2, 2 examples a client and round) that fell below zero-shot "
                 "without attack (experiments/smollm2/README.md). Use num_perturbations > 1, or a rule that averages "
                 "the clients (e.g. cwtm).", self.aggregator, list(trusted))
+
+    def scalar_reports(self) -> bool:
+        """Every rule call gets one scalar a client: one direction a round, aggregated in projection space."""
+        one = self.num_perturbations == 1 and self.aggregation_space == "projection"
+        return one and self.estimator != "first_order"
+
+    def check_history(self) -> None:
+        """Warn where issue 46's history rule cannot tell attackers from honest clients: one scalar a report."""
+        if self.aggregator == "history" and self.scalar_reports():
+            logger.warning(
+                "aggregator='history' with num_perturbations=1: every report is one scalar, so the rule's sign "
+                "balance is +1 or -1 for every client and its other statistics reward a value near the round's "
+                "consensus. On SmolLM2 (SST-2) it scored ALIE's, SF's and FOE's clients above every honest client "
+                "and left none of them out (experiments/smollm2/README.md, reports.py). Use num_perturbations > 1.")
 
     def byzantine_bound(self) -> int:
         """``f``: the Byzantine vectors each round's rule tolerates (``max_byzantine_per_round`` or ``b``)."""
@@ -436,6 +450,7 @@ class ZOByzantineArguments(TrainingArguments):
         self.check_sizing(build_aggregator(self.aggregator, self.pre_aggregators, **self.aggregator_kwargs))
         build_attack(self.attack, **self.attack_kwargs)
         self.check_trusted()
+        self.check_history()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimisation step is one "

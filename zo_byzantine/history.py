@@ -125,7 +125,10 @@ class History(Rule):
     signs and honest size); (3) an honest client whose data
     differ (non-iid) may score low and be left out: each costs the round one honest vector, at most ``e_max``
     (counted as ``honest_excluded``); with very heterogeneous clients (MNIST, Dirichlet 0.1) the honest spread is
-    wide and the rule catches little (measured); (4) a Byzantine client new to the run starts at 0 like any other.
+    wide and the rule catches little (measured); (4) a Byzantine client new to the run starts at 0 like any other;
+    (5) one scalar a report (``nu = 1``): ``b_i`` is ``+-1`` for every row and ``p_i``, ``d_i`` reward a value near
+    the consensus, so attackers that sit there score above honest clients (SmolLM2, SST-2: ALIE, SF and FOE all did,
+    none was left out; ``experiments/smollm2/reports.py``); the arguments warn.
 
     >>> ctx = RoundContext(key=(0, 0, 1), num_vectors=5, num_byzantine=1, clients=(0, 1, 2, 3, 4), state={})
     >>> out = History(base="median")(torch.tensor([[1.0, 1], [1.1, 0.9], [0.9, 1.1], [1.0, 1.2], [-9, -9]]), ctx)

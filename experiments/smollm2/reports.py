@@ -13,6 +13,7 @@ on the same rounds, not on the trajectories they would have led to.
 
     python experiments/smollm2/reports.py record --rounds 300          # ~7 minutes on the idle 2-core CPU
     python experiments/smollm2/reports.py compare                      # seconds
+    python experiments/smollm2/reports.py compare --attack sf          # or foe
 """
 
 from __future__ import annotations
@@ -121,26 +122,31 @@ def replay(rounds: list[dict], rule: str, steps: tuple, settings: dict, attack) 
     return out
 
 
-def compare(path: str, names: list[str]) -> str:
-    """The table: per rule, mean shift without attack and under ALIE (tuned against it), and exclusions."""
+ATTACKS = {"alie": ("ALIE", {"omega": "auto"}), "sf": ("SF", {}), "foe": ("FOE", {"omega": "auto"})}
+
+
+def compare(path: str, names: list[str], attack: str = "alie") -> str:
+    """The table: per rule, mean shift without attack and under ``attack`` (ALIE and FOE tuned against the rule),
+    and exclusions."""
     rounds = load(path)
     if any(r["byzantine"] is None or sum(r["byzantine"]) != 3 for r in rounds):
         raise SystemExit(f"{path}: every round must mark 3 clients Byzantine (the table's b = 3)")
-    alie = build_attack("alie", omega="auto")
+    label, kwargs = ATTACKS[attack]
+    adversary = build_attack(attack, **kwargs)
     lines = [f"{len(rounds)} rounds of `{os.path.relpath(path, HERE)}` (mean ||hbar|| over the 9 honest clients: "
              f"{replay(rounds, 'mean', (), {}, None)['signal']:.2f})", "",
-             "| rule | no attack: mean ‖R - hbar‖ | ALIE: mean ‖R - hbar‖ | ALIE / no attack "
+             f"| rule | no attack: mean ‖R - hbar‖ | {label}: mean ‖R - hbar‖ | {label} / no attack "
              "| attackers left out a round | honest clients left out a round |", "|---|---|---|---|---|---|"]
     notes = []
     for name in names:
         rule, steps, settings = RULES[name]
-        calm, attacked = (replay(rounds, rule, steps, settings, attack) for attack in (None, alie))
+        calm, attacked = (replay(rounds, rule, steps, settings, attack) for attack in (None, adversary))
         lines.append(f"| {name} | {calm['shift']:.2f} | {attacked['shift']:.2f} | "
                      f"{attacked['shift'] / calm['shift']:.2f} | {attacked['byzantine_excluded']:.2f} | "
                      f"{attacked['honest_excluded']:.2f} |")
         print(lines[-1], flush=True)
         if "agreement" in attacked:
-            notes.append(f"{name} under ALIE: mean agreement a round, attackers {attacked['agreement'][0]:.2f}, "
+            notes.append(f"{name} under {label}: mean agreement a round, attackers {attacked['agreement'][0]:.2f}, "
                          f"honest {attacked['agreement'][1]:.2f}; final scores, attackers {attacked['scores'][0]}, "
                          f"honest {attacked['scores'][1]}")
     return "\n".join([*lines, "", *notes])
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--rounds", type=int, default=300)
     rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--model", default="smollm2-135m", help="a shipped model name or a model folder")
-    cmp = sub.add_parser("compare", help="each rule's shift on the recorded rounds, without attack and under ALIE")
+    cmp = sub.add_parser("compare", help="each rule's shift on the recorded rounds, without attack and under an attack")
+    cmp.add_argument("--attack", choices=list(ATTACKS), default="alie")
     cmp.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     for p in (rec, cmp):
         p.add_argument("--file", default=DEFAULT_FILE, help="the JSON-lines file of reports")
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--rounds={args.rounds} must be >= 1")
         record(args.file, args.rounds, args.seed, args.model)
     else:
-        print(compare(args.file, args.rules))
+        print(compare(args.file, args.rules, args.attack))
 
 
 if __name__ == "__main__":
