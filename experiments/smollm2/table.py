@@ -56,6 +56,9 @@ CELLS = {  # row -> the flags that make it
     "alie_fltrust": [*ALIE, "--aggregator", "fltrust",
                      "--aggregator_kwargs", '{"trusted": [11], "scale": "median", "weights": "sign", '
                      '"merge_cosine": 0.9}', "--root_examples", "100"],
+    # ALIE against CWTM with the lr decaying linearly to 0 over the run: ALIE's push works as noise that a constant
+    # lr lets accumulate (README, "A decaying lr keeps ALIE from wearing the run down")
+    "alie_linear": [*ALIE, "--lr_scheduler_type", "linear"],
     # back-propagated gradients, no attack: one client (R^d aggregation of n = 12 SmolLM2 gradients needs ~36 GiB)
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
@@ -188,7 +191,8 @@ def report(args) -> str:
             starts.update({s: r["start"] for s, r in found})
         rows["zero-shot"][task] = list(starts.values())
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
-             "sf": "FedByZO, SF (CWTM)", "alie_fltrust": "FedByZO, ALIE (FLTrust, issue 46)",
+             "sf": "FedByZO, SF (CWTM)", "alie_linear": "FedByZO, ALIE (CWTM), lr decaying linearly",
+             "alie_fltrust": "FedByZO, ALIE (FLTrust, issue 46)",
              "first_order": "first order (reference)"}
     cells = "" if list(args.cells) == list(CELLS) else f" --cells {' '.join(args.cells)}"
     lines = [f"# SmolLM2-135M, config `{args.config}`: best validation accuracy, the start evaluation included, and "
