@@ -99,7 +99,8 @@ def replay(rounds: list[dict], rule: str, steps: tuple, settings: dict, attack) 
     for r in rounds:
         vectors = torch.tensor(r["vectors"], dtype=torch.float64)
         mask = torch.tensor(r["byzantine"]) if r["byzantine"] is not None else None
-        ctx = RoundContext((0, r["round"], 1), len(vectors), 3, mask, tuple(r["clients"]), state)
+        f = sum(r["byzantine"] or ())  # the run's Byzantine clients: the rule is sized for them
+        ctx = RoundContext((0, r["round"], 1), len(vectors), f, mask, tuple(r["clients"]), state)
         try:
             _, _, diagnostics, _, update = robust_aggregate(vectors, ctx, chain, attack)
         except SkipRound:
@@ -140,7 +141,7 @@ def compare(path: str, names: list[str], attack: str = "alie") -> str:
     notes = []
     for name in names:
         rule, steps, settings = RULES[name]
-        calm, attacked = (replay(rounds, rule, steps, settings, attack) for attack in (None, adversary))
+        calm, attacked = (replay(rounds, rule, steps, settings, sent) for sent in (None, adversary))
         lines.append(f"| {name} | {calm['shift']:.2f} | {attacked['shift']:.2f} | "
                      f"{attacked['shift'] / calm['shift']:.2f} | {attacked['byzantine_excluded']:.2f} | "
                      f"{attacked['honest_excluded']:.2f} |")
