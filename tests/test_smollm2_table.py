@@ -120,10 +120,10 @@ def test_replay_matches_hand_computed_trimmed_means_and_carries_the_history():
     assert "agreement" not in calm  # a stateless rule has none
 
 
-def test_alie_linear_is_the_alie_cell_with_the_lr_decaying(tmp_path):
-    alie = table.command("cpu_long", "sst2", "alie", 0, str(tmp_path), "smollm2-135m")
-    linear = table.command("cpu_long", "sst2", "alie_linear", 0, str(tmp_path), "smollm2-135m")
-    i = linear.index("--attack_kwargs") + 2
-    assert linear[:i] == alie[:i] and linear[i:i + 2] == ["--lr_scheduler_type", "linear"]
-    assert linear[i + 2:] == alie[i:]
-    assert alie[alie.index("--lr_scheduler_type") + 1] == "constant"  # the config's, which the cell's later flag beats
+@pytest.mark.parametrize("cell", ["alie", "none"])
+def test_linear_cells_are_their_cell_with_the_lr_decaying(tmp_path, cell):
+    constant = table.command("cpu_long", "sst2", cell, 0, str(tmp_path), "smollm2-135m")
+    linear = table.command("cpu_long", "sst2", f"{cell}_linear", 0, str(tmp_path), "smollm2-135m")
+    i = len(linear) - linear[::-1].index("--lr_scheduler_type") - 1  # the cell's flag: the last one
+    assert linear[i:i + 2] == ["--lr_scheduler_type", "linear"] and linear[:i] + linear[i + 2:] == constant
+    assert constant[constant.index("--lr_scheduler_type") + 1] == "constant"  # the config's, which the cell's beats

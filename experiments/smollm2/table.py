@@ -59,6 +59,8 @@ CELLS = {  # row -> the flags that make it
     # ALIE against CWTM with the lr decaying linearly to 0 over the run: ALIE's push works as noise that a constant
     # lr lets accumulate (README, "A decaying lr keeps ALIE from wearing the run down")
     "alie_linear": [*ALIE, "--lr_scheduler_type", "linear"],
+    # the same decay with no attack: what the decay costs or gains by itself
+    "none_linear": ["--attack", "none", "--lr_scheduler_type", "linear"],
     # back-propagated gradients, no attack: one client (R^d aggregation of n = 12 SmolLM2 gradients needs ~36 GiB)
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
@@ -192,6 +194,7 @@ def report(args) -> str:
         rows["zero-shot"][task] = list(starts.values())
     names = {"zero-shot": "zero-shot", "none": "FedByZO, no attack", "alie": "FedByZO, ALIE (CWTM)",
              "sf": "FedByZO, SF (CWTM)", "alie_linear": "FedByZO, ALIE (CWTM), lr decaying linearly",
+             "none_linear": "FedByZO, no attack, lr decaying linearly",
              "alie_fltrust": "FedByZO, ALIE (FLTrust, issue 46)",
              "first_order": "first order (reference)"}
     cells = "" if list(args.cells) == list(CELLS) else f" --cells {' '.join(args.cells)}"
