@@ -47,6 +47,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "run_glue_fed.py")
 
 FEDERATION = ["--num_clients", "12", "--num_byzantine", "3", "--aggregator", "cwtm"]
 ALIE = ["--attack", "alie", "--attack_kwargs", '{"omega": "auto"}']
+LINEAR = ["--lr_scheduler_type", "linear"]  # the lr decaying linearly to 0 over the run (the configs' is constant)
 CELLS = {  # row -> the flags that make it
     "none": ["--attack", "none"],
     "alie": ALIE,
@@ -58,9 +59,9 @@ CELLS = {  # row -> the flags that make it
                      '"merge_cosine": 0.9}', "--root_examples", "100"],
     # ALIE against CWTM with the lr decaying linearly to 0 over the run: ALIE's push works as noise that a constant
     # lr lets accumulate (README, "A decaying lr keeps ALIE from wearing the run down")
-    "alie_linear": [*ALIE, "--lr_scheduler_type", "linear"],
+    "alie_linear": [*ALIE, *LINEAR],
     # the same decay with no attack: what the decay costs or gains by itself
-    "none_linear": ["--attack", "none", "--lr_scheduler_type", "linear"],
+    "none_linear": ["--attack", "none", *LINEAR],
     # back-propagated gradients, no attack: one client (R^d aggregation of n = 12 SmolLM2 gradients needs ~36 GiB)
     "first_order": ["--attack", "none", "--estimator", "first_order", "--num_clients", "1", "--num_byzantine", "0",
                     "--aggregator", "mean"],
