@@ -89,6 +89,17 @@ def test_auto_keeps_directions_that_are_not_fused_when_they_fit_the_budget(tmp_p
     assert runs["fits"][0].ledger.rounds == runs["over"][0].ledger.rounds  # the schedule never changes the run
 
 
+def test_first_order_rounds_decide_no_schedule(tmp_path, tokenizer, caplog):
+    """Backprop rounds evaluate no directions: ``auto`` is neither resolved nor logged (it used to report the
+    directions' memory of a round that draws none)."""
+    caplog.set_level("INFO", logger="zo_byzantine.schedule")
+    trainer, passes = _run(tiny_bert(vocab_size=tokenizer.vocab_size), tokenizer, tmp_path, zo_schedule="auto",
+                           estimator="first_order", num_perturbations=1)
+    assert trainer.state.global_step == 3 and passes == 0
+    assert trainer.schedule.name == "auto"
+    assert not [r for r in caplog.records if "zo_schedule" in r.getMessage()]
+
+
 def test_zeroth_order_forwards_run_without_dropout(tmp_path, tokenizer):
     with_dropout = tiny_bert(vocab_size=tokenizer.vocab_size, dropout=0.5)
     without = tiny_bert(vocab_size=tokenizer.vocab_size, dropout=0.0)

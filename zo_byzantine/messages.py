@@ -48,7 +48,10 @@ class Plan:
         return [direction_seed(*k) for k in self.keys(step, client)]
 
     def num_directions(self, num_clients: int) -> int:
-        """Directions ``num_clients`` of this round's participants evaluate (what ``cached`` keeps)."""
+        """Directions ``num_clients`` of this round's participants evaluate (what ``cached`` keeps): none in a
+        first-order round (backprop gradients)."""
+        if self.first_order:
+            return 0
         per_step = self.num_perturbations * (num_clients if self.per_client else 1)
         return per_step * (self.local_steps + (self.local_update == "compressed"))
 

@@ -95,7 +95,10 @@ class Schedule:
         """The schedule of a round that evaluates ``num_directions`` directions of ``table``'s parameters in
         forwards of ``chunks`` chunks each (:func:`forward_chunks`): a fused draw is regenerated per chunk, so
         split forwards keep the round's directions when they fit. An offloaded model (``table.stream``) streams each
-        layer once per forward, perturbed in place: ``auto`` is ``two_forwards`` and stacks nothing."""
+        layer once per forward, perturbed in place: ``auto`` is ``two_forwards`` and stacks nothing. A round without
+        directions (first order) decides nothing: ``auto`` stays undecided."""
+        if num_directions == 0:
+            return self.name
         if table.stream is not None:
             self.stack = self.stack_clients = False
             if self.name == "auto":
