@@ -143,6 +143,9 @@ class DataArguments:
     num_train_per_class: int | None = field(default=512, metadata={
         "help": "k training examples per class; left at its default, a class with fewer gives all it has (TREC's "
                 "ABBR: 86)."})
+    per_class_at_most: bool = field(default=False, metadata={
+        "help": "A class with fewer than an asked-for num_train_per_class gives all it has instead of being refused "
+                "(a table of several tasks at one k: TREC's ABBR has 86)."})
     num_train: int | None = field(default=None, metadata={"help": "Total training examples (instead of k)."})
     num_eval: int = field(default=1000, metadata={"help": "Evaluation examples sampled from the validation split "
                                                            "(all of it, in its order, when it has no more)."})
@@ -504,7 +507,8 @@ def prepare(argv: list[str] | None = None) -> SimpleNamespace:
     spec = load_task(data_args.task)  # unknown task: clear error before anything else
     check_offline(model_args, data_args)
     set_seed(args.seed)  # before the model is built: a new head starts the same for the same seed
-    train, evaluation = raw_splits(spec, data_args, args.seed, per_class_at_most="num_train_per_class" not in user)
+    at_most = data_args.per_class_at_most or "num_train_per_class" not in user  # the default k takes what there is
+    train, evaluation = raw_splits(spec, data_args, args.seed, per_class_at_most=at_most)
     if model_args.tuning == "features":
         train_set, eval_set, model, tokenizer = build_features(spec, data_args, model_args, train, evaluation,
                                                                progress=not args.disable_tqdm)

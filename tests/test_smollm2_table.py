@@ -2,6 +2,7 @@
 resumed rather than reported, extra flags last; room.py's ratio of means; reports.py's recording rule and its
 replay of the rules against hand-computed trimmed means."""
 
+import collections
 import json
 import os
 import sys
@@ -127,3 +128,25 @@ def test_linear_cells_are_their_cell_with_the_lr_decaying(tmp_path, cell):
     i = len(linear) - linear[::-1].index("--lr_scheduler_type") - 1  # the cell's flag: the last one
     assert linear[i:i + 2] == ["--lr_scheduler_type", "linear"] and linear[:i] + linear[i + 2:] == constant
     assert constant[constant.index("--lr_scheduler_type") + 1] == "constant"  # the config's, which the cell's beats
+
+
+def test_every_configuration_runs_trec_at_its_k_with_all_86_abbr(tmp_path):
+    """The table runs every task at one k: TREC's ABBR class (86 examples) gives all it has instead of stopping the
+    run at its first TREC cell (a k asked for explicitly used to be refused; the `gpu` configuration lists TREC)."""
+    from helpers import load_example
+
+    for config in table.CONFIGS:
+        line = table.command(config, "trec", "alie", 0, str(tmp_path), "smollm2-135m")
+        assert line[line.index("--per_class_at_most") + 1] == "true", config
+    module = load_example("run_glue_fed")
+    line = table.command("cpu_k512", "trec", "alie", 0, str(tmp_path), "smollm2-135m")  # gpu's bf16 needs a GPU
+    argv = line[line.index("--model_name_or_path"):]
+    _, data_args, _ = module.parse(argv)
+    assert data_args.per_class_at_most and data_args.num_train_per_class == 512
+    spec = module.load_task("trec")
+    train, _ = module.raw_splits(spec, data_args, 0, per_class_at_most=data_args.per_class_at_most)
+    assert sorted(collections.Counter(train["label"]).values()) == [86, 512, 512, 512, 512, 512]
+    flag = argv.index("--per_class_at_most")
+    _, strict, _ = module.parse(argv[:flag] + argv[flag + 2:])
+    with pytest.raises(ValueError, match="class 2 has only 86 examples"):
+        module.raw_splits(spec, strict, 0, per_class_at_most=strict.per_class_at_most)
