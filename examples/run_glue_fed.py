@@ -311,10 +311,11 @@ def encode_plain(example: dict, spec, tokenizer, max_length: int | None) -> dict
     return {"input_ids": ids, "attention_mask": mask, "labels": list(example["label"])}
 
 
-def raw_splits(spec, data_args: DataArguments, seed: int, per_class_at_most: bool = False):
+def raw_splits(spec, data_args: DataArguments, seed: int):
     """The sampled training and evaluation examples (Datasets with ``text_a``, ``text_b``, ``label``; the evaluation
     examples also ``row``, their position in the split as loaded), from ``--data_dir`` or the Hub.
-    ``per_class_at_most``: a class with fewer than ``--num_train_per_class`` examples gives all it has."""
+    With ``data_args.per_class_at_most`` a class with fewer than ``--num_train_per_class`` examples gives all it
+    has."""
     if data_args.data_dir:
         train = load_local_split(spec, data_args.data_dir, "train", data_args.train_file)
         evaluation = load_local_split(spec, data_args.data_dir, "eval", data_args.eval_file)
@@ -323,7 +324,8 @@ def raw_splits(spec, data_args: DataArguments, seed: int, per_class_at_most: boo
     if data_args.num_train is not None:
         train = sample(train, data_args.num_train, seed)
     elif data_args.num_train_per_class is not None:
-        train = sample_per_class(train, data_args.num_train_per_class, spec.num_labels, seed, per_class_at_most)
+        train = sample_per_class(train, data_args.num_train_per_class, spec.num_labels, seed,
+                                 data_args.per_class_at_most)
     evaluation = evaluation.add_column("row", list(range(len(evaluation))))
     return train, sample(evaluation, data_args.num_eval, seed, keep_order=True)
 
@@ -507,8 +509,9 @@ def prepare(argv: list[str] | None = None) -> SimpleNamespace:
     spec = load_task(data_args.task)  # unknown task: clear error before anything else
     check_offline(model_args, data_args)
     set_seed(args.seed)  # before the model is built: a new head starts the same for the same seed
-    at_most = data_args.per_class_at_most or "num_train_per_class" not in user  # the default k takes what there is
-    train, evaluation = raw_splits(spec, data_args, args.seed, per_class_at_most=at_most)
+    if "num_train_per_class" not in user:  # the default k takes what there is
+        data_args.per_class_at_most = True
+    train, evaluation = raw_splits(spec, data_args, args.seed)
     if model_args.tuning == "features":
         train_set, eval_set, model, tokenizer = build_features(spec, data_args, model_args, train, evaluation,
                                                                progress=not args.disable_tqdm)

@@ -1,6 +1,7 @@
 """The main job, examples/run_glue_fed.py, end to end on a tiny model; the wheel carries the task specs."""
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -223,13 +224,14 @@ def test_the_main_job_runs_trec_with_its_defaults():
     refused naming the largest that fits."""
     module = _example()
     spec = module.load_task("trec")
-    data = module.DataArguments(task="trec", data_dir=os.path.join(DATA, "trec"), num_train_per_class=1000)
-    train, evaluation = module.raw_splits(spec, data, 42, per_class_at_most=True)
+    data = module.DataArguments(task="trec", data_dir=os.path.join(DATA, "trec"), num_train_per_class=1000,
+                                per_class_at_most=True)
+    train, evaluation = module.raw_splits(spec, data, 42)
     assert sorted(collections.Counter(train["label"]).values()) == [86, 835, 896, 1000, 1000, 1000]
     assert list(evaluation["row"]) == list(range(500))  # the whole test file, in its order
     with pytest.raises(ValueError, match=r"num_train_per_class=1000 but class 2 has only 86 examples; accepted: "
                                          r"num_train_per_class <= 86, or num_train"):
-        module.raw_splits(spec, data, 42)
+        module.raw_splits(spec, dataclasses.replace(data, per_class_at_most=False), 42)
 
 
 def test_every_client_holds_a_batch_when_the_data_allow():

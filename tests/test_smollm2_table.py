@@ -144,9 +144,9 @@ def test_every_configuration_runs_trec_at_its_k_with_all_86_abbr(tmp_path):
     _, data_args, _ = module.parse(argv)
     assert data_args.per_class_at_most and data_args.num_train_per_class == 512
     spec = module.load_task("trec")
-    train, _ = module.raw_splits(spec, data_args, 0, per_class_at_most=data_args.per_class_at_most)
+    train, _ = module.raw_splits(spec, data_args, 0)
     assert sorted(collections.Counter(train["label"]).values()) == [86, 512, 512, 512, 512, 512]
     flag = argv.index("--per_class_at_most")
     _, strict, _ = module.parse(argv[:flag] + argv[flag + 2:])
     with pytest.raises(ValueError, match="class 2 has only 86 examples"):
-        module.raw_splits(spec, strict, 0, per_class_at_most=strict.per_class_at_most)
+        module.raw_splits(spec, strict, 0)
